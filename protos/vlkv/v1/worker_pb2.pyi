@@ -1,0 +1,91 @@
+from vlkv.v1 import generate_pb2 as _generate_pb2
+from vlkv.v1 import kv_pb2 as _kv_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "images", "prompt", "sampling", "compression", "decode_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt: str
+    sampling: _generate_pb2.SamplingParams
+    compression: _generate_pb2.CompressionParams
+    decode_address: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POST_VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_KEPT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FULL_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    vision_tokens: int
+    post_vision_tokens: int
+    first_token_id: int
+    kv_bytes_kept: int
+    kv_bytes_full: int
+    compression_ratio: float
+    layer_budgets: _containers.RepeatedScalarFieldContainer[int]
+    prefill_ms: float
+    transfer_ms: float
+    policy: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "wait_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class TransferAck(_message.Message):
+    __slots__ = ("bytes_received", "blocks_allocated")
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    blocks_allocated: int
+    def __init__(self, bytes_received: _Optional[int] = ..., blocks_allocated: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    draining: bool
+    model_fingerprint: str
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...

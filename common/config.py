@@ -1,0 +1,117 @@
+"""Validated configuration of vlkv's servers.
+
+Every value is checked where it enters (``__post_init__``), so a bad flag is a clear error at start-up
+rather than a crash in the middle of a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Which checkpoint to serve and how."""
+
+    path: str = str(DEFAULT_MODEL_DIR)
+    dtype: str = "float32"
+    device: str = "cpu"
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _check(Path(self.path).is_dir(), f"model path {self.path!r} is not a directory")
+        _check((Path(self.path) / "config.json").is_file(), f"model path {self.path!r} has no config.json")
+        _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check(self.device == "cpu" or self.device.startswith("cuda"), f"unknown device {self.device!r}")
+        _check(self.torch_threads >= 1, "torch_threads must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(slots=True)
+class Limits:
+    """Input limits the gateway enforces before any work is scheduled."""
+
+    max_images: int = 8
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 40_000_000  # decoded width * height (decompression bombs)
+    max_prompt_tokens: int = 0  # 0: the model's context length minus max_new_tokens
+    max_new_tokens: int = 1024
+    default_max_new_tokens: int = 64
+    max_stop_strings: int = 16
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        _check(self.max_images >= 0, "max_images must be >= 0")
+        _check(self.max_image_bytes > 0, "max_image_bytes must be > 0")
+        _check(self.max_image_pixels > 0, "max_image_pixels must be > 0")
+        _check(self.max_prompt_tokens >= 0, "max_prompt_tokens must be >= 0")
+        _check(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
+        _check(
+            1 <= self.default_max_new_tokens <= self.max_new_tokens,
+            "default_max_new_tokens must be in [1, max_new_tokens]",
+        )
+        _check(self.max_message_bytes >= (1 << 20), "max_message_bytes must be >= 1 MiB")
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """The decode worker's paged KV pool and batch."""
+
+    pool_bytes: int = 256 << 20
+    block_size: int = 16
+    max_batch: int = 64
+    max_waiting: int = 256
+    cache_wait_ms: int = 60_000  # how long Decode waits for its cache, and the lease of an unclaimed cache
+
+    def __post_init__(self) -> None:
+        _check(self.pool_bytes > 0, "pool_bytes must be > 0")
+        _check(1 <= self.block_size <= 1024, "block_size must be in [1, 1024]")
+        _check(self.max_batch >= 1, "max_batch must be >= 1")
+        _check(self.max_waiting >= 0, "max_waiting must be >= 0")
+        _check(self.cache_wait_ms >= 1, "cache_wait_ms must be >= 1")
+
+
+@dataclass(slots=True)
+class TransferConfig:
+    """How compact caches travel from prefill to decode."""
+
+    chunk_bytes: int = 1 << 20
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check(4096 <= self.chunk_bytes <= (32 << 20), "chunk_bytes must be in [4 KiB, 32 MiB]")
+        _check(self.deadline_s > 0, "deadline_s must be > 0")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything one vlkv process needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    limits: Limits = field(default_factory=Limits)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "host must not be empty")
+        _check(self.grace_s >= 0, "grace_s must be >= 0")

@@ -1,0 +1,102 @@
+"""One decode step of the real LLaVA language model over a batch of paged sequences.
+
+Each sequence feeds one token at its own position (continuing from its original prompt length m, not from
+its compact cache length), and every layer attends to that sequence's blocks through the paged decode
+attention kernel. The model's own modules run the step; only the attention function is vlkv's
+(``common/attention.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlkv.common.attention import use_vlkv_attention
+from vlkv.common.model_loading import language_model
+from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.kernels.paged_decode import paged_decode_attention
+
+
+@dataclass
+class StepInput:
+    """One sequence's part of a decode step."""
+
+    token: int
+    position: int
+    tables: list[list[int]]  # per layer block ids
+    lengths: list[int]  # per layer tokens already cached (the new token is appended at this index)
+
+
+class PagedBatch:
+    """Per-step view of the pool: appends each layer's new K/V, then attends over the blocks.
+
+    tables: ``[S, L, max_blocks]`` int32; lengths: ``[S, L]`` int32 (before this step's token).
+    """
+
+    def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.pool = pool
+        self.tables = tables
+        self.lengths = lengths
+        self._rows = torch.arange(tables.shape[0], device=tables.device)
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot."""
+        pos = self.lengths[:, layer_idx].long()
+        blocks = self.tables[self._rows, layer_idx, pos // self.pool.block_size].long()
+        offs = pos % self.pool.block_size
+        self.pool.k[blocks, :, offs] = key[:, :, 0].to(self.pool.k.dtype)
+        self.pool.v[blocks, :, offs] = value[:, :, 0].to(self.pool.v.dtype)
+        return key, value
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query ``[S, H, 1, D]`` -> output ``[S, 1, H, D]``."""
+        out = paged_decode_attention(
+            query[:, :, 0].contiguous(),
+            self.pool.k,
+            self.pool.v,
+            self.tables[:, layer_idx].contiguous(),
+            (self.lengths[:, layer_idx] + 1).to(torch.int32),
+            scale=scaling,
+        )
+        return out.unsqueeze(1)
+
+
+class ModelRunner:
+    """Runs batched single-token decode steps of a LLaVA model's language model."""
+
+    def __init__(self, model, pool: KVPool) -> None:
+        use_vlkv_attention(model)
+        self.model = model
+        self.lm = language_model(model)
+        self.pool = pool
+        self.device = pool.k.device
+
+    @torch.inference_mode()
+    def step(self, batch: list[StepInput]) -> torch.Tensor:
+        """Feed one token per sequence; returns next-token logits ``[S, vocab]`` in fp32."""
+        num_layers = len(batch[0].tables)
+        max_blocks = max(len(t) for s in batch for t in s.tables)
+        tables = torch.full((len(batch), num_layers, max_blocks), -1, dtype=torch.int32)
+        for i, s in enumerate(batch):
+            for layer, t in enumerate(s.tables):
+                tables[i, layer, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        lengths = torch.tensor([s.lengths for s in batch], dtype=torch.int32)
+        paged = PagedBatch(self.pool, tables.to(self.device), lengths.to(self.device))
+
+        tokens = torch.tensor([[s.token] for s in batch], device=self.device)
+        positions = torch.tensor([[s.position] for s in batch], device=self.device)
+        hidden = self.lm.embed_tokens(tokens)
+        position_embeddings = self.lm.rotary_emb(hidden, position_ids=positions)
+        for layer in self.lm.layers[:num_layers]:
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                past_key_values=paged,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+                vlkv_decode=paged,
+            )
+        hidden = self.lm.norm(hidden)
+        return self.model.lm_head(hidden[:, -1]).float()

@@ -1,0 +1,259 @@
+"""Decode side of the compact-KV wire format: validate a header, then fill per-layer buffers from chunks.
+
+Lifecycle of one transfer: ``KVAssembler(...)`` -> ``feed(chunk)`` for every message -> ``finish()``
+returns ``(header, CompactKV)``; on any error (or ``abort()``) the pool handle returned by ``allocate`` is
+given back through ``release`` exactly once. ``allocate`` runs only after the header passed every check,
+so a cache for another model never touches the pool. After a successful ``finish()`` the handle
+(``assembler.handle``) belongs to the caller.
+
+Status codes (``KVWireError.code``):
+- INVALID_ARGUMENT: protocol violations - first message not a header, a second header, an empty
+  chunk, anything after the trailer, an insane/oversized header, unknown layer or tensor, an empty
+  data chunk, an offset that leaves a gap, overlaps or runs past the tensor's end.
+- DATA_LOSS: corruption or loss - CRC mismatch, trailer totals that disagree with what arrived,
+  bytes missing at the trailer, a stream that ends (``finish()``) before its trailer.
+- FAILED_PRECONDITION: a sane header whose fingerprint, layout or dtype is not this worker's model.
+- CANCELLED: ``abort()`` by the caller (stored so later calls re-raise it).
+
+Chunks of one tensor must arrive in order (offset == bytes already received); different tensors and
+layers may interleave. Buffers are allocated lazily per tensor, so a header that lies about sizes
+costs no memory until bytes actually arrive.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import grpc
+import torch
+from vlkv.common.compact_kv import CompactKV
+from vlkv.common.kv_wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError, dtype_name
+from vlkv.v1 import kv_pb2
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_LOSS = grpc.StatusCode.DATA_LOSS
+_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def validate_header(
+    header: kv_pb2.KVHeader,
+    expected_fingerprint: str,
+    expected_layout: KVLayout,
+    *,
+    max_header_layers: int = 1024,
+    max_total_bytes: int = 1 << 34,
+    max_prompt_length: int = 1 << 22,
+    max_header_bytes: int = 1 << 16,
+) -> int:
+    """Check a header for sanity (INVALID_ARGUMENT), then compatibility (FAILED_PRECONDITION).
+
+    Returns the number of K+V payload bytes the header announces.
+    """
+
+    def bad(msg: str) -> KVWireError:
+        return KVWireError(_INVALID, f"bad KV header: {msg}")
+
+    if header.format_version != FORMAT_VERSION:
+        raise bad(f"format_version {header.format_version}, this side speaks {FORMAT_VERSION}")
+    if header.ByteSize() > max_header_bytes:
+        raise bad(f"{header.ByteSize()} bytes > limit {max_header_bytes}")
+    if header.dtype not in DTYPES:
+        raise bad(f"unknown dtype {header.dtype!r}")
+    if not 0 < header.num_layers <= max_header_layers:
+        raise bad(f"num_layers {header.num_layers} outside [1, {max_header_layers}]")
+    if header.num_kv_heads == 0 or header.head_dim == 0:
+        raise bad("num_kv_heads and head_dim must be positive")
+    if len(header.layer_lengths) != header.num_layers:
+        raise bad(f"{len(header.layer_lengths)} layer_lengths for {header.num_layers} layers")
+    if not 0 < header.prompt_length <= max_prompt_length:
+        raise bad(f"prompt_length {header.prompt_length} outside [1, {max_prompt_length}]")
+    if any(not 0 < k <= header.prompt_length for k in header.layer_lengths):
+        raise bad(f"a layer length is outside [1, prompt_length={header.prompt_length}]")
+    token_bytes = header.num_kv_heads * header.head_dim * DTYPES[header.dtype].itemsize
+    total = 2 * token_bytes * sum(header.layer_lengths)
+    if total > max_total_bytes:
+        raise bad(f"announces {total} KV bytes > limit {max_total_bytes}")
+
+    if header.model_fingerprint != expected_fingerprint:
+        raise KVWireError(
+            _PRECONDITION,
+            f"model fingerprint {header.model_fingerprint!r} != this worker's {expected_fingerprint!r}",
+        )
+    layers, heads, head_dim, dtype = expected_layout
+    got = (header.num_layers, header.num_kv_heads, header.head_dim, header.dtype)
+    want = (layers, heads, head_dim, dtype_name(dtype))
+    if got != want:
+        raise KVWireError(_PRECONDITION, f"KV layout (L, H_kv, D, dtype) {got} != this worker's {want}")
+    return total
+
+
+class KVAssembler:
+    """Incremental, validating decoder of one KV stream (see the module docstring for the rules)."""
+
+    def __init__(
+        self,
+        expected_fingerprint: str,
+        expected_layout: KVLayout,
+        *,
+        max_header_layers: int = 1024,
+        max_total_bytes: int = 1 << 34,
+        max_prompt_length: int = 1 << 22,
+        max_header_bytes: int = 1 << 16,
+        allocate: Callable[[kv_pb2.KVHeader], object] | None = None,
+        release: Callable[[object], None] | None = None,
+    ) -> None:
+        """``allocate(header)`` reserves pool blocks (raise KVWireError(RESOURCE_EXHAUSTED) to refuse);
+        whatever it returns is passed to ``release`` if the transfer fails afterwards."""
+        self._fingerprint = expected_fingerprint
+        self._layout = expected_layout
+        self._limits = dict(
+            max_header_layers=max_header_layers,
+            max_total_bytes=max_total_bytes,
+            max_prompt_length=max_prompt_length,
+            max_header_bytes=max_header_bytes,
+        )
+        self._allocate = allocate
+        self._release = release
+        self._state = "start"  # start -> streaming -> trailer -> done; any -> failed
+        self._error: KVWireError | None = None
+        self._allocated = False
+        self.handle: object = None
+        self.header: kv_pb2.KVHeader | None = None
+        self.expected_bytes = 0
+        self.bytes_received = 0
+        self.chunks_received = 0
+        self._layer_bytes: list[int] = []
+        self._filled: list[list[int]] = []
+        self._bufs: list[list[torch.Tensor | None]] = []
+
+    # -- public API --------------------------------------------------------------------------------
+    def feed(self, chunk: kv_pb2.KVChunk) -> None:
+        """Consume one message; raises KVWireError (and releases the allocation) on a bad one."""
+        if self._state == "failed":
+            raise self._error or KVWireError(grpc.StatusCode.ABORTED, "transfer already failed")
+        if self._state == "done":
+            raise KVWireError(_INVALID, "message after the transfer finished")
+        try:
+            self._feed(chunk)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def finish(self) -> tuple[kv_pb2.KVHeader, CompactKV]:
+        """End of stream: the header and the decoded cache; DATA_LOSS if the stream was truncated."""
+        if self._state == "failed":
+            raise self._error or KVWireError(grpc.StatusCode.ABORTED, "transfer already failed")
+        try:
+            if self._state != "trailer":
+                missing = "header" if self._state == "start" else "trailer"
+                raise KVWireError(_LOSS, f"stream ended before its {missing} (truncated)")
+            result = self._build()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._state = "done"
+        return result
+
+    def abort(self) -> None:
+        """Give up (client went away, deadline, shutdown): release the allocation once; idempotent."""
+        if self._state not in ("done", "failed"):
+            self._fail(KVWireError(grpc.StatusCode.CANCELLED, "transfer aborted"))
+
+    def __enter__(self) -> KVAssembler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        self._state = "failed"
+        self._error = exc if isinstance(exc, KVWireError) else None
+        self._bufs = []
+        if self._allocated:
+            self._allocated = False  # before calling out: release runs at most once
+            if self._release is not None:
+                self._release(self.handle)
+
+    def _feed(self, chunk: kv_pb2.KVChunk) -> None:
+        if not isinstance(chunk, kv_pb2.KVChunk):
+            raise KVWireError(_INVALID, f"expected a KVChunk, got {type(chunk).__name__}")
+        part = chunk.WhichOneof("part")
+        if self._state == "start":
+            if part != "header":
+                raise KVWireError(_INVALID, f"first message must be a header, got {part or 'empty chunk'}")
+            self._on_header(chunk.header)
+        elif self._state == "trailer":
+            raise KVWireError(_INVALID, f"{part or 'empty chunk'} after the trailer")
+        elif part == "data":
+            self._on_data(chunk.data)
+        elif part == "trailer":
+            self._on_trailer(chunk.trailer)
+        else:
+            raise KVWireError(_INVALID, "second header" if part == "header" else "empty chunk")
+
+    def _on_header(self, header: kv_pb2.KVHeader) -> None:
+        self.expected_bytes = validate_header(header, self._fingerprint, self._layout, **self._limits)
+        token_bytes = header.num_kv_heads * header.head_dim * DTYPES[header.dtype].itemsize
+        self._layer_bytes = [token_bytes * k for k in header.layer_lengths]
+        self._filled = [[0, 0] for _ in header.layer_lengths]
+        self._bufs = [[None, None] for _ in header.layer_lengths]
+        self.header = header
+        if self._allocate is not None:
+            self.handle = self._allocate(header)
+        self._allocated = True
+        self._state = "streaming"
+
+    def _on_data(self, d: kv_pb2.KVData) -> None:
+        n = len(d.data)
+        if zlib.crc32(d.data) != d.crc32:
+            raise KVWireError(
+                _LOSS, f"CRC mismatch in layer {d.layer} tensor {d.tensor} at offset {d.offset}"
+            )
+        if d.layer >= len(self._layer_bytes):
+            raise KVWireError(_INVALID, f"layer {d.layer} not in the header's {len(self._layer_bytes)}")
+        if d.tensor not in (kv_pb2.KV_TENSOR_KEY, kv_pb2.KV_TENSOR_VALUE):
+            raise KVWireError(_INVALID, f"unknown tensor kind {d.tensor}")
+        if n == 0:
+            raise KVWireError(_INVALID, "empty data chunk")
+        size, filled = self._layer_bytes[d.layer], self._filled[d.layer][d.tensor]
+        where = f"layer {d.layer} tensor {d.tensor}"
+        if d.offset != filled:
+            kind = "overlaps" if d.offset < filled else "leaves a gap after"
+            raise KVWireError(_INVALID, f"{where}: offset {d.offset} {kind} the {filled} bytes received")
+        if filled + n > size:
+            raise KVWireError(
+                _INVALID, f"{where}: chunk ends at {filled + n}, past the tensor's {size} bytes"
+            )
+        buf = self._bufs[d.layer][d.tensor]
+        if buf is None:
+            buf = self._bufs[d.layer][d.tensor] = torch.empty(size, dtype=torch.uint8)
+        memoryview(buf.numpy())[filled : filled + n] = d.data
+        self._filled[d.layer][d.tensor] = filled + n
+        self.bytes_received += n
+        self.chunks_received += 1
+
+    def _on_trailer(self, t: kv_pb2.KVTrailer) -> None:
+        if t.num_chunks != self.chunks_received or t.total_bytes != self.bytes_received:
+            raise KVWireError(
+                _LOSS,
+                f"trailer says {t.num_chunks} chunks / {t.total_bytes} bytes, "
+                f"received {self.chunks_received} / {self.bytes_received}",
+            )
+        for layer, (size, filled) in enumerate(zip(self._layer_bytes, self._filled, strict=True)):
+            if filled[0] != size or filled[1] != size:
+                raise KVWireError(
+                    _LOSS, f"layer {layer} incomplete: K {filled[0]}, V {filled[1]} of {size} bytes"
+                )
+        self._state = "trailer"
+
+    def _build(self) -> tuple[kv_pb2.KVHeader, CompactKV]:
+        h = self.header
+        assert h is not None
+        dtype = DTYPES[h.dtype]
+        shapes = [(h.num_kv_heads, k, h.head_dim) for k in h.layer_lengths]
+        keys = [kv[0].view(dtype).view(s) for kv, s in zip(self._bufs, shapes, strict=True)]
+        values = [kv[1].view(dtype).view(s) for kv, s in zip(self._bufs, shapes, strict=True)]
+        self._bufs = []
+        return h, CompactKV(keys, values, prompt_length=h.prompt_length, first_token=h.first_token_id)

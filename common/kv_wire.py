@@ -1,0 +1,236 @@
+"""The compact-KV wire format: one ``KVHeader``, per-layer K/V byte chunks with CRC32, one ``KVTrailer``.
+
+Sender: ``encode_compact_kv`` (or ``encode_header`` + ``encode_stream`` when layers are gathered one by
+one) yields ``KVChunk`` messages lazily, so layer l is on the wire while layer l+1 is being produced.
+Bytes are taken straight from tensor memory (a uint8 view; bf16 has no numpy dtype) in little-endian
+host order; the only copy is the one protobuf makes into its ``bytes`` field.
+
+Receiver: ``KVAssembler`` (in ``kv_assembler``) validates and rebuilds a ``CompactKV``. Status codes:
+protocol violations (bad order, bad header, unknown layer, offset gaps/overlaps) are INVALID_ARGUMENT;
+evidence of corruption or loss (CRC mismatch, trailer totals disagree, stream ends early, bytes
+missing) is DATA_LOSS; a sane cache built for another model/layout/dtype is FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+import torch
+from torch import nn
+from vlkv.common.compact_kv import CompactKV
+from vlkv.v1 import generate_pb2, kv_pb2
+
+FORMAT_VERSION = 1
+DEFAULT_CHUNK_BYTES = 1 << 20
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Elements sampled per parameter by model_fingerprint (evenly strided, plus the tensor's last element).
+FINGERPRINT_SAMPLES = 1024
+
+KVLayout = tuple[int, int, int, "torch.dtype | str"]  # (num_layers, num_kv_heads, head_dim, dtype)
+
+
+class KVWireError(Exception):
+    """A rejected KV stream; ``code`` is the gRPC status the receiver should answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """Wire name of a KV dtype ("float32", "float16", "bfloat16"); ValueError for anything else."""
+    name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, "")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return name
+
+
+def _text_config(config: object) -> object:
+    """The language-model part of a (possibly multimodal, e.g. LLaVA) HF config."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else getattr(config, "text_config", None) or config
+
+
+def model_kv_layout(model: nn.Module) -> tuple[int, int, int, torch.dtype]:
+    """(num_layers, num_kv_heads, head_dim, dtype) of the KV cache ``model`` produces."""
+    cfg = _text_config(model.config)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return int(cfg.num_hidden_layers), kv_heads, head_dim, next(model.parameters()).dtype
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """16-hex-digit digest of the KV layout, vocab size and a strided sample of every parameter.
+
+    Hashes every parameter's name, shape and dtype plus ``FINGERPRINT_SAMPLES`` evenly strided
+    elements of it (gathered on the parameter's device, so a 7B model moves ~2 MB to the host and
+    hashes in well under a second). Tradeoff: an edit that touches only unsampled elements (say one
+    row of one matrix) keeps the fingerprint; any fine-tune, re-quantization, dtype cast, checkpoint
+    swap or layout change alters it. Hashing all 14 GB would be exact but take tens of seconds.
+    """
+    num_layers, kv_heads, head_dim, dtype = model_kv_layout(model)
+    cfg = _text_config(model.config)
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{num_layers}/{kv_heads}/{head_dim}/{dtype}/{getattr(cfg, 'vocab_size', 0)}".encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(f"|{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            flat = p.detach().reshape(-1)
+            if flat.numel() == 0:
+                continue
+            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+            sample = torch.cat([flat[::step][:FINGERPRINT_SAMPLES], flat[-1:]]).cpu().contiguous()
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Flat byte view of ``t``'s memory (zero-copy for a contiguous CPU tensor, else one copy)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def encode_header(
+    *,
+    request_id: str,
+    fingerprint: str,
+    dtype: torch.dtype | str,
+    num_kv_heads: int,
+    head_dim: int,
+    layer_lengths: Sequence[int],
+    prompt_length: int,
+    first_token_id: int = 0,
+    sampling: generate_pb2.SamplingParams | None = None,
+    eos_token_ids: Iterable[int] = (),
+    prompt_tokens: int = 0,
+    vision_tokens: int = 0,
+    policy: str = "",
+) -> kv_pb2.KVChunk:
+    """The header chunk; ``layer_lengths`` (k_l) must be known before the first layer is sent."""
+    header = kv_pb2.KVHeader(
+        format_version=FORMAT_VERSION,
+        request_id=request_id,
+        model_fingerprint=fingerprint,
+        dtype=dtype_name(dtype),
+        num_layers=len(layer_lengths),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        layer_lengths=list(layer_lengths),
+        prompt_length=prompt_length,
+        first_token_id=first_token_id,
+        eos_token_ids=list(eos_token_ids),
+        prompt_tokens=prompt_tokens,
+        vision_tokens=vision_tokens,
+        policy=policy,
+    )
+    if sampling is not None:
+        header.sampling.CopyFrom(sampling)
+    return kv_pb2.KVChunk(header=header)
+
+
+def encode_layer(
+    layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[kv_pb2.KVChunk]:
+    """Data chunks of one layer: K's bytes then V's, each split into pieces of <= ``chunk_bytes``."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    for kind, t in ((kv_pb2.KV_TENSOR_KEY, k), (kv_pb2.KV_TENSOR_VALUE, v)):
+        mv = tensor_bytes(t)
+        for off in range(0, mv.nbytes, chunk_bytes):
+            piece = mv[off : off + chunk_bytes]
+            yield kv_pb2.KVChunk(
+                data=kv_pb2.KVData(
+                    layer=layer_idx, tensor=kind, offset=off, data=bytes(piece), crc32=zlib.crc32(piece)
+                )
+            )
+
+
+def encode_trailer(num_chunks: int, total_bytes: int) -> kv_pb2.KVChunk:
+    """The trailer: how many data chunks and payload bytes the sender produced."""
+    return kv_pb2.KVChunk(trailer=kv_pb2.KVTrailer(num_chunks=num_chunks, total_bytes=total_bytes))
+
+
+def encode_stream(
+    header: kv_pb2.KVChunk,
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[kv_pb2.KVChunk]:
+    """Header, the chunks of each (K, V) pair as ``layers`` yields it, then the trailer.
+
+    Each layer is checked against the header (shape ``[H_kv, k_l, D]``, dtype) before it is sent, so
+    a sender bug surfaces as ValueError here rather than as a rejected stream on the decode side.
+    """
+    h = header.header
+    dtype = DTYPES[h.dtype]
+    yield header
+    num_chunks = total = seen = 0
+    for layer_idx, (k, v) in enumerate(layers):
+        if layer_idx >= h.num_layers:
+            raise ValueError(f"more layers than the header's {h.num_layers}")
+        shape = (h.num_kv_heads, h.layer_lengths[layer_idx], h.head_dim)
+        for t in (k, v):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"layer {layer_idx}: {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}"
+                )
+        for chunk in encode_layer(layer_idx, k, v, chunk_bytes):
+            num_chunks += 1
+            total += len(chunk.data.data)
+            yield chunk
+        seen = layer_idx + 1
+    if seen != h.num_layers:
+        raise ValueError(f"got {seen} layers, the header announced {h.num_layers}")
+    yield encode_trailer(num_chunks, total)
+
+
+def encode_compact_kv(
+    ckv: CompactKV,
+    *,
+    request_id: str,
+    fingerprint: str,
+    sampling: generate_pb2.SamplingParams | None = None,
+    eos_token_ids: Iterable[int] = (),
+    prompt_tokens: int = 0,
+    vision_tokens: int = 0,
+    policy: str = "",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[kv_pb2.KVChunk]:
+    """The whole wire stream of ``ckv`` (a lazy generator: header, layer chunks, trailer)."""
+    header = encode_header(
+        request_id=request_id,
+        fingerprint=fingerprint,
+        dtype=ckv.dtype,
+        num_kv_heads=ckv.num_kv_heads,
+        head_dim=ckv.head_dim,
+        layer_lengths=ckv.layer_lengths,
+        prompt_length=ckv.prompt_length,
+        first_token_id=ckv.first_token,
+        sampling=sampling,
+        eos_token_ids=eos_token_ids,
+        prompt_tokens=prompt_tokens,
+        vision_tokens=vision_tokens,
+        policy=policy,
+    )
+    return encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes)
+
+
+def __getattr__(name: str) -> object:
+    """Re-export the decoder (it lives in ``kv_assembler`` to keep both files short)."""
+    if name in ("KVAssembler", "validate_header"):
+        from vlkv.common import kv_assembler
+
+        return getattr(kv_assembler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,142 @@
+"""How a compact cache travels: a sender interface and its gRPC streaming implementation.
+
+``KVSender.send(header, layers)`` takes the header chunk (from ``kv_wire.encode_header``) and an
+iterable of per-layer ``(K, V)`` that may still be producing later layers while earlier ones are on the
+wire. Two implementations: ``GrpcKVSender`` below (across nodes, client-streaming ``TransferKV``) and
+``transport_torch_dist.TorchDistKVSender`` (NCCL/gloo point-to-point on one node).
+
+gRPC flow control: grpc.aio writes one message at a time and ``await``s each write until HTTP/2 flow
+control admits it, so a slow decode worker slows the sender; nothing is buffered without bound.
+Both ends must set message-size limits above the chunk size (``grpc_message_options``) and the sender
+a deadline. On the receiving side ``receive_kv_stream`` feeds a ``KVAssembler`` and turns any failure,
+cancellation or deadline into a release of the pool blocks and an aborted call with the right status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from typing import Protocol
+
+import grpc
+import torch
+from vlkv.common.compact_kv import CompactKV
+from vlkv.common.kv_assembler import KVAssembler
+from vlkv.common.kv_wire import DEFAULT_CHUNK_BYTES, KVWireError, encode_stream
+from vlkv.v1 import kv_pb2, worker_pb2
+
+TRANSFER_KV_METHOD = "/vlkv.v1.DecodeWorker/TransferKV"
+# Room for the header (validate_header caps it at 64 KiB by default) and protobuf framing.
+MESSAGE_OVERHEAD_BYTES = 1 << 17
+
+Layers = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVSender(Protocol):
+    """Hands one compact cache to a decode worker."""
+
+    async def send(self, header: kv_pb2.KVChunk, layers: Layers) -> worker_pb2.TransferAck:
+        """Send ``header`` then every layer of ``layers`` as it is produced; raise on refusal."""
+        ...
+
+
+def grpc_message_options(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, int]]:
+    """Channel/server options whose message-size limits fit one data chunk plus the header."""
+    limit = chunk_bytes + MESSAGE_OVERHEAD_BYTES
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+async def _offload(chunks: Iterator[kv_pb2.KVChunk]) -> AsyncIterator[kv_pb2.KVChunk]:
+    """Pull a sync chunk iterator in a worker thread so layer gathering never blocks the event loop."""
+    done = object()
+    while True:
+        chunk = await asyncio.to_thread(next, chunks, done)
+        if chunk is done:
+            return
+        yield chunk
+
+
+class GrpcKVSender:
+    """Client-streaming ``TransferKV`` over an existing ``grpc.aio`` channel.
+
+    The channel should be created with ``options=grpc_message_options(chunk_bytes)``. A refusal or
+    transport failure raises ``KVWireError`` carrying the receiver's status code.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        method: str = TRANSFER_KV_METHOD,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float | None = 60.0,
+    ) -> None:
+        self._call = channel.stream_unary(
+            method,
+            request_serializer=kv_pb2.KVChunk.SerializeToString,
+            response_deserializer=worker_pb2.TransferAck.FromString,
+        )
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+
+    async def send(self, header: kv_pb2.KVChunk, layers: Layers) -> worker_pb2.TransferAck:
+        """Encode lazily (layer by layer) and stream; returns the decode worker's ack."""
+        return await self.send_chunks(_offload(encode_stream(header, layers, self.chunk_bytes)))
+
+    async def send_chunks(
+        self, chunks: AsyncIterable[kv_pb2.KVChunk] | Iterable[kv_pb2.KVChunk]
+    ) -> worker_pb2.TransferAck:
+        """Stream already-encoded chunks (sync or async iterable)."""
+        try:
+            return await self._call(chunks, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise KVWireError(err.code(), err.details() or "KV transfer failed") from err
+
+
+async def receive_kv_stream(
+    requests: AsyncIterable[kv_pb2.KVChunk],
+    assembler: KVAssembler,
+    context: grpc.aio.ServicerContext | None = None,
+) -> tuple[kv_pb2.KVHeader, CompactKV]:
+    """Feed every request into ``assembler`` and finish it (server side of ``TransferKV``).
+
+    On a ``KVWireError`` the call is aborted with its status when ``context`` is given (``abort``
+    raises), else the error propagates. Cancellation, deadlines and unexpected errors abort the
+    assembler too, so the pool blocks it allocated are always returned.
+    """
+    try:
+        async for chunk in requests:
+            assembler.feed(chunk)
+        return assembler.finish()
+    except KVWireError as err:
+        assembler.abort()
+        if context is not None:
+            await context.abort(err.code, err.message)
+        raise
+    except BaseException:
+        assembler.abort()
+        raise
+
+
+def kv_receiver_handler(
+    make_assembler: Callable[[], KVAssembler],
+    on_received: Callable[[kv_pb2.KVHeader, CompactKV, object], None] | None = None,
+    method: str = TRANSFER_KV_METHOD,
+) -> grpc.GenericRpcHandler:
+    """A generic ``TransferKV`` handler (for tools, tests and benchmarks; the decode worker has its own
+    servicer): one fresh assembler per call, ``on_received(header, cache, pool handle)`` on success."""
+
+    async def transfer(requests: AsyncIterable[kv_pb2.KVChunk], context: grpc.aio.ServicerContext):
+        assembler = make_assembler()
+        header, ckv = await receive_kv_stream(requests, assembler, context)
+        if on_received is not None:
+            on_received(header, ckv, assembler.handle)
+        return worker_pb2.TransferAck(bytes_received=assembler.bytes_received)
+
+    service, name = method.strip("/").split("/")
+    handler = grpc.stream_unary_rpc_method_handler(
+        transfer,
+        request_deserializer=kv_pb2.KVChunk.FromString,
+        response_serializer=worker_pb2.TransferAck.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(service, {name: handler})

@@ -1,0 +1,309 @@
+"""Compact-KV wire format: bit-exact round trips, every corruption's status code, pool balance, gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+import zlib
+
+import grpc
+import pytest
+import torch
+from kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
+from vlkv.common.kv_wire import (
+    KVWireError,
+    encode_header,
+    encode_stream,
+    model_fingerprint,
+    model_kv_layout,
+)
+from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
+from vlkv.v1 import kv_pb2
+
+IA, DL, FPC = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def run(pool: FakePool, ckv, chunks, **kw):
+    asm = pool.assembler(ckv, **kw)
+    for c in chunks:
+        asm.feed(c)
+    return asm.finish()
+
+
+def expect(code, pool: FakePool, ckv, chunks, *, allocs: int = 1, **kw) -> None:
+    """The stream fails with ``code``; the pool saw ``allocs`` allocations, each released once."""
+    with pytest.raises(KVWireError) as exc:
+        run(pool, ckv, chunks, **kw)
+    assert exc.value.code == code, exc.value
+    assert (pool.allocs, pool.releases, pool.free) == (allocs, allocs, pool.total)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 100, 1 << 20])
+def test_round_trip_bit_exact(dtype, chunk_bytes):
+    ckv = make_ckv(dtype, [1, 2, 3, 5, 8, 13], m=13)
+    chunks = encode(ckv, chunk_bytes)
+    assert all(len(c.data.data) <= chunk_bytes for c in chunks if c.HasField("data"))
+    pool = FakePool()
+    header, out = run(pool, ckv, chunks)
+    assert (pool.allocs, pool.releases) == (1, 0)
+    assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
+    assert (out.prompt_length, out.first_token, out.layer_lengths) == (13, 7, [1, 2, 3, 5, 8, 13])
+    assert header.policy == "vlcache" and list(header.eos_token_ids) == [2, 3]
+    assert header.sampling.max_new_tokens == 5 and header.request_id == "req-1"
+
+
+def test_round_trip_special_values_bf16():
+    ckv = make_ckv(torch.bfloat16, [4])
+    ckv.keys[0].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+    _, out = run(FakePool(), ckv, encode(ckv, 5))
+    assert bits_equal(out.keys[0], ckv.keys[0])
+
+
+def test_chunks_split_layers_unevenly():
+    ckv = make_ckv(torch.float16, [3])  # 2*3*8*2 = 96 bytes per tensor
+    data = [c.data for c in encode(ckv, 40) if c.HasField("data")]
+    assert [(d.tensor, d.offset, len(d.data)) for d in data] == [
+        (0, 0, 40), (0, 40, 40), (0, 80, 16), (1, 0, 40), (1, 40, 40), (1, 80, 16),
+    ]  # fmt: skip
+    assert all(zlib.crc32(d.data) == d.crc32 for d in data)
+
+
+# --- corruption -> status code, pool balanced ---------------------------------------------------
+@pytest.fixture
+def case():
+    ckv = make_ckv(torch.float16, [2, 3, 4], m=4)
+    return FakePool(), ckv, encode(ckv, 20)
+
+
+def test_truncated_stream(case):
+    pool, ckv, chunks = case
+    expect(DL, pool, ckv, chunks[:-1])  # no trailer
+    expect(DL, pool, ckv, chunks[: len(chunks) // 2], allocs=2)
+    expect(DL, FakePool(), ckv, [], allocs=0)  # nothing at all
+
+
+def test_flipped_byte_in_chunk(case):
+    pool, ckv, chunks = case
+    data = bytearray(chunks[3].data.data)
+    data[5] ^= 0x10
+    chunks[3].data.data = bytes(data)
+    expect(DL, pool, ckv, chunks)
+
+
+def test_missing_layer(case):
+    pool, ckv, chunks = case
+    kept = [c for c in chunks if not (c.HasField("data") and c.data.layer == 1)]
+    expect(DL, pool, ckv, kept)  # trailer totals disagree
+    sent = [c.data for c in kept if c.HasField("data")]
+    kept[-1].trailer.num_chunks, kept[-1].trailer.total_bytes = len(sent), sum(len(d.data) for d in sent)
+    expect(DL, pool, ckv, kept, allocs=2)  # consistent trailer, but layer 1 never arrived
+
+
+def test_header_claims_more_bytes_than_arrive(case):
+    pool, ckv, chunks = case
+    chunks[0].header.layer_lengths[0] += 1
+    expect(DL, pool, ckv, chunks)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda h: setattr(h, "format_version", 2),
+        lambda h: setattr(h, "dtype", "int8"),
+        lambda h: setattr(h, "num_layers", 10**6),
+        lambda h: h.layer_lengths.append(1),
+        lambda h: h.layer_lengths.__setitem__(0, 0),
+        lambda h: h.layer_lengths.__setitem__(0, 5),  # > prompt_length
+        lambda h: setattr(h, "prompt_length", 0),
+        lambda h: setattr(h, "head_dim", 0),
+        lambda h: h.eos_token_ids.extend(range(1 << 15)),  # header bytes over the limit
+        lambda h: setattr(h, "num_kv_heads", 1 << 30),  # announces absurd bytes
+    ],
+)
+def test_insane_or_oversized_header(case, mutate):
+    pool, ckv, chunks = case
+    mutate(chunks[0].header)
+    expect(IA, pool, ckv, chunks, allocs=0)
+
+
+def test_total_bytes_limit(case):
+    pool, ckv, chunks = case
+    expect(IA, pool, ckv, chunks, allocs=0, max_total_bytes=ckv.nbytes - 1)
+    _, out = run(pool, ckv, chunks, max_total_bytes=ckv.nbytes)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [(3, 2, 8, torch.bfloat16), (3, 2, 8, "float32"), (4, 2, 8, torch.float16), (3, 1, 8, torch.float16)],
+)
+def test_wrong_layout_or_dtype_refused_before_allocation(case, layout):
+    pool, ckv, chunks = case
+    expect(FPC, pool, layout, chunks, allocs=0)
+
+
+def test_wrong_fingerprint_refused_before_allocation(case):
+    pool, ckv, chunks = case
+    expect(FPC, pool, ckv, chunks, allocs=0, fingerprint="ffffffffffffffff")
+
+
+def _data(layer=0, tensor=0, offset=0, data=b"x" * 4, crc=None) -> kv_pb2.KVChunk:
+    crc = zlib.crc32(data) if crc is None else crc
+    return kv_pb2.KVChunk(data=kv_pb2.KVData(layer=layer, tensor=tensor, offset=offset, data=data, crc32=crc))
+
+
+@pytest.mark.parametrize(
+    "edit, code",
+    [
+        (lambda c: c[1:], IA),  # data before header
+        (lambda c: c[:2] + [c[0]] + c[2:], IA),  # second header
+        (lambda c: c[:2] + [kv_pb2.KVChunk()] + c[2:], IA),  # empty chunk
+        (lambda c: c + [c[1]], IA),  # after trailer
+        (lambda c: c[:1] + [_data(layer=3)] + c[1:], IA),  # unknown layer
+        (lambda c: c[:1] + [_data(tensor=5)] + c[1:], IA),  # unknown tensor kind
+        (lambda c: c[:1] + [_data(data=b"")] + c[1:], IA),  # empty data chunk
+        (lambda c: c[:1] + [_data(offset=4)] + c[1:], IA),  # gap
+        (lambda c: c[:2] + [c[1]] + c[2:], IA),  # duplicate: overlap
+        (lambda c: c[:1] + [_data(data=b"y" * 65)] + c[1:], IA),  # past the end (layer 0: 64 bytes)
+        (lambda c: c[:1] + [_data(crc=1)] + c[1:], DL),  # CRC checked first
+        (lambda c: c[:-1] + [kv_pb2.KVChunk(trailer=kv_pb2.KVTrailer(num_chunks=1))], DL),
+    ],
+)
+def test_protocol_violations(case, edit, code):
+    pool, ckv, chunks = case
+    expect(code, pool, ckv, edit(chunks), allocs=0 if edit(chunks)[0].HasField("data") else 1)
+
+
+def test_trailer_total_bytes_mismatch(case):
+    pool, ckv, chunks = case
+    chunks[-1].trailer.total_bytes += 1
+    expect(DL, pool, ckv, chunks)
+
+
+def test_abort_feed_after_failure_and_reuse(case):
+    pool, ckv, chunks = case
+    asm = pool.assembler(ckv)
+    asm.feed(chunks[0])
+    asm.abort()
+    asm.abort()
+    with pytest.raises(KVWireError) as exc:
+        asm.feed(chunks[1])
+    assert exc.value.code == grpc.StatusCode.CANCELLED
+    with pytest.raises(KVWireError):
+        asm.finish()
+    assert (pool.allocs, pool.releases, pool.free) == (1, 1, pool.total)
+    # the worker keeps serving: the next transfer succeeds and keeps its blocks until decode ends
+    with pool.assembler(ckv) as asm2:
+        for c in chunks:
+            asm2.feed(c)
+        asm2.finish()
+    assert (pool.allocs, pool.releases, pool.free) == (2, 1, pool.total - 3)
+    pool.release(asm2.handle)
+
+
+def test_allocate_refusal_propagates_without_release(case):
+    _, ckv, chunks = case
+    pool = FakePool(blocks=2)
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, pool, ckv, chunks, allocs=0)
+
+
+def test_encode_stream_checks_layers():
+    ckv = make_ckv(torch.float32, [2, 3])
+    header = encode_header(
+        request_id="r", fingerprint=FP, dtype="float32", num_kv_heads=2, head_dim=8,
+        layer_lengths=[2, 3], prompt_length=3,
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        list(encode_stream(header, [(ckv.keys[0], ckv.values[0])]))
+    with pytest.raises(ValueError):
+        list(encode_stream(header, [(ckv.keys[1], ckv.values[1])] * 2))
+
+
+def test_model_fingerprint():
+    def model(layers=2, dtype=torch.float32, seed=0):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)]).to(dtype)
+        m.config = types.SimpleNamespace(
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+            vocab_size=100,
+        )  # fmt: skip
+        return m
+
+    base = model()
+    fp = model_fingerprint(base)
+    assert fp == model_fingerprint(model()) and len(fp) == 16
+    assert model_kv_layout(base) == (2, 2, 16, torch.float32)
+    with torch.no_grad():
+        base[1].bias[-1] += 1.0
+    assert model_fingerprint(base) != fp
+    assert len({fp, model_fingerprint(model(layers=3)), model_fingerprint(model(dtype=torch.bfloat16))}) == 3
+
+
+# --- real gRPC on localhost ---------------------------------------------------------------------
+async def _grpc_transfer(ckv, chunks_or_layers, pool: FakePool, received: list, timeout_s=10.0):
+    server = grpc.aio.server(options=grpc_message_options(1 << 16))
+    server.add_generic_rpc_handlers(
+        [kv_receiver_handler(lambda: pool.assembler(ckv), lambda h, c, handle: received.append((c, handle)))]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=grpc_message_options(1 << 16)
+        ) as ch:
+            sender = GrpcKVSender(ch, chunk_bytes=1 << 16, timeout_s=timeout_s)
+            if isinstance(chunks_or_layers, tuple):
+                return await sender.send(*chunks_or_layers)
+            return await sender.send_chunks(chunks_or_layers)
+    finally:
+        await server.stop(0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grpc_round_trip(dtype):
+    ckv = make_ckv(dtype, [1, 70, 300, 1000], m=1000)  # the last layer spans several 64 KiB chunks
+    pool, received = FakePool(), []
+    header = encode(ckv)[0]
+    ack = asyncio.run(_grpc_transfer(ckv, (header, zip(ckv.keys, ckv.values, strict=True)), pool, received))
+    assert ack.bytes_received == ckv.nbytes
+    (out, handle), = received  # fmt: skip
+    assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
+    pool.release(handle)
+    assert pool.free == pool.total
+
+
+def test_grpc_errors_reach_the_client_and_free_blocks():
+    ckv = make_ckv(torch.float16, [2, 3])
+    pool = FakePool()
+    chunks = encode(ckv, 16)
+    chunks[2].data.crc32 ^= 1
+    with pytest.raises(KVWireError) as exc:
+        asyncio.run(_grpc_transfer(ckv, chunks, pool, []))
+    assert exc.value.code == DL
+    with pytest.raises(KVWireError) as exc:
+        asyncio.run(_grpc_transfer(ckv, encode(ckv, fingerprint="other"), pool, []))
+    assert exc.value.code == FPC
+    assert (pool.allocs, pool.releases, pool.free) == (1, 1, pool.total)
+
+
+def test_grpc_stalled_sender_hits_deadline_and_frees_blocks():
+    ckv = make_ckv(torch.float16, [2, 3])
+    pool = FakePool()
+    chunks = encode(ckv)
+
+    async def stall():
+        yield chunks[0]
+        await asyncio.sleep(30)
+
+    async def main():
+        with pytest.raises(KVWireError) as exc:
+            await _grpc_transfer(ckv, stall(), pool, [], timeout_s=0.5)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    asyncio.run(main())
+    assert (pool.allocs, pool.releases, pool.free) == (1, 1, pool.total)

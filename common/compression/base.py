@@ -1,0 +1,195 @@
+"""The compression-policy interface: score tokens, keep a recent window plus the top scores, gather.
+
+Lifecycle on the prefill worker, per request:
+  1. ``q0 = policy.query_start(m, tau)``: which query rows (``q0 .. m-1``) the statistics kernel must
+     cover in every layer (skip the kernel when ``policy.requires_stats`` is False).
+  2. ``policy.compress(stats_per_layer, keys_per_layer, values_per_layer, alpha=..., m=..., tau=...,
+     first_token=...)`` -> :class:`CompactKV`. It calls ``allocate`` (layer budgets k_l), then per layer
+     ``select`` (kept indices per KV head, built from ``score``), then gathers K and V.
+
+A new policy overrides ``score`` (and ``query_start`` if it needs other rows); the allocator is a
+separate, per-request choice (``allocator="sparsity"|"uniform"|"pyramid"|"cake"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..compact_kv import CompactKV
+from .budgets import cake_budgets, cake_preferences, pyramid_budgets, sparsity_budgets, uniform_budgets
+from .stats import AttentionStatsLike, layer_sparsity, validate_stats
+
+ALLOCATORS = ("sparsity", "uniform", "pyramid", "cake")
+TAU0_WINDOW = 8  # query rows used when the prompt has no post-vision text (tau = 0)
+
+
+def post_vision_start(m: int, tau: int) -> int:
+    """First post-vision query row: ``m - tau``; with ``tau <= 0`` the last ``min(m, 8)`` rows instead."""
+    window = tau if tau > 0 else TAU0_WINDOW
+    return m - min(m, window)
+
+
+def recent_count(k: int, ratio: float = 0.1) -> int:
+    """Size of the always-kept recent window, ``ceil(ratio * k)`` (at most k)."""
+    return min(k, math.ceil(ratio * k - 1e-9 * max(1.0, ratio * k)))
+
+
+@dataclass
+class Policy:
+    """Base policy (kvpress-style). Subclasses set ``name`` and override ``score``.
+
+    allocator: layer budget allocator, one of :data:`ALLOCATORS`.
+    exact_budget: for the sparsity allocator, hit ``round(alpha * L * m)`` exactly (see budgets.py).
+    recent_ratio: fraction of each layer's budget spent on the most recent tokens.
+    pyramid_beta, cake_tau1, cake_tau2: parameters of the pyramid and CAKE allocators.
+    """
+
+    name: ClassVar[str] = "base"
+    scores_need_stats: ClassVar[bool] = True
+
+    allocator: str = "uniform"
+    exact_budget: bool = False
+    recent_ratio: float = 0.1
+    pyramid_beta: float = 20.0
+    cake_tau1: float = 1.0
+    cake_tau2: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"unknown allocator {self.allocator!r}; choose from {ALLOCATORS}")
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
+        if self.cake_tau1 <= 0 or self.cake_tau2 <= 0:
+            raise ValueError("cake_tau1 and cake_tau2 must be > 0")
+
+    @property
+    def requires_stats(self) -> bool:
+        """Whether ``compress`` reads attention statistics (scorer or allocator)."""
+        return self.scores_need_stats or self.allocator in ("sparsity", "cake")
+
+    def query_start(self, m: int, tau: int) -> int:
+        """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision."""
+        return post_vision_start(m, tau)
+
+    def allocate(
+        self, stats_per_layer: Sequence[AttentionStatsLike | None] | None, alpha: float, m: int, L: int
+    ) -> list[int]:
+        """Per-layer budgets k_l, ``len == L``, each in ``[1, m]``."""
+        if self.allocator == "uniform":
+            return uniform_budgets(L, alpha, m)
+        if self.allocator == "pyramid":
+            return pyramid_budgets(L, alpha, m, beta=self.pyramid_beta)
+        stats = _require(stats_per_layer, L, self.allocator)
+        if self.allocator == "sparsity":
+            gammas = [layer_sparsity(s) for s in stats]
+            return sparsity_budgets(gammas, alpha, m, exact=self.exact_budget)
+        prefs = cake_preferences(stats, tau1=self.cake_tau1, tau2=self.cake_tau2)
+        return cake_budgets(prefs, alpha, m)
+
+    def score(
+        self,
+        layer: int,
+        stats: AttentionStatsLike | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        m: int,
+        tau: int,
+    ) -> torch.Tensor:
+        """Token scores ``[H_kv, m]`` (higher = keep), query-head scores summed within a GQA group.
+
+        keys, values: ``[H_kv, m, D]`` of this layer; stats cover rows ``query_start(m, tau) .. m-1``.
+        """
+        raise NotImplementedError
+
+    def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
+
+        The last ``recent_count(k)`` positions are always kept; the rest are the top scores among the
+        earlier positions, chosen per KV head.
+        """
+        kv_heads, m = scores.shape
+        if not 1 <= k <= m:
+            raise ValueError(f"budget {k} outside [1, m={m}]")
+        recent = recent_count(k, self.recent_ratio)
+        tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
+        top = scores[:, : m - recent].float().nan_to_num(nan=-math.inf).topk(k - recent, dim=-1).indices
+        return torch.cat([top, tail], dim=-1).sort(dim=-1).values
+
+    def plan(
+        self,
+        stats_per_layer: Sequence[AttentionStatsLike | None] | None,
+        keys_per_layer: Sequence[torch.Tensor],
+        values_per_layer: Sequence[torch.Tensor],
+        *,
+        alpha: float,
+        m: int,
+        tau: int,
+    ) -> list[torch.Tensor]:
+        """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``."""
+        num_layers = len(keys_per_layer)
+        if len(values_per_layer) != num_layers:
+            raise ValueError("keys and values must have one tensor per layer")
+        q0 = self.query_start(m, tau)
+        stats = _require(stats_per_layer, num_layers, self.name) if self.requires_stats else None
+        for i, keys in enumerate(keys_per_layer):
+            if keys.dim() != 3 or keys.shape[1] != m:
+                raise ValueError(f"layer {i}: keys {tuple(keys.shape)} are not [H_kv, m={m}, D]")
+            if stats is not None:
+                validate_stats(stats[i], m, q0, i)
+        budgets = self.allocate(stats, alpha, m, num_layers)
+        kept = []
+        for i, (k_l, keys, values) in enumerate(zip(budgets, keys_per_layer, values_per_layer, strict=True)):
+            if k_l >= m:
+                kept.append(torch.arange(m, device=keys.device).repeat(keys.shape[0], 1))
+                continue
+            layer_stats = None if stats is None else stats[i]
+            scores = self.score(i, layer_stats, keys, values, m, tau)
+            if scores.shape != (keys.shape[0], m):
+                raise ValueError(f"{self.name}: scores {tuple(scores.shape)} are not [H_kv, m]")
+            kept.append(self.select(scores.to(keys.device), k_l))
+        return kept
+
+    def compress(
+        self,
+        stats_per_layer: Sequence[AttentionStatsLike | None] | None,
+        keys_per_layer: Sequence[torch.Tensor],
+        values_per_layer: Sequence[torch.Tensor],
+        *,
+        alpha: float,
+        m: int,
+        tau: int,
+        first_token: int = 0,
+    ) -> CompactKV:
+        """Compress one sequence's cache. keys/values per layer: ``[H_kv, m, D]`` (post-RoPE).
+
+        Layers whose budget is m are passed through untouched (the same tensors), so ``alpha = 1`` and
+        the ``full`` policy return the cache bitwise unchanged.
+        """
+        kept = self.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
+        out_k, out_v = [], []
+        for idx, keys, values in zip(kept, keys_per_layer, values_per_layer, strict=True):
+            if idx.shape[1] == m:
+                out_k.append(keys if keys.is_contiguous() else keys.contiguous())
+                out_v.append(values if values.is_contiguous() else values.contiguous())
+                continue
+            gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+            out_k.append(keys.gather(1, gather))
+            out_v.append(values.gather(1, gather))
+        return CompactKV(out_k, out_v, prompt_length=m, first_token=first_token, kept_indices=kept)
+
+
+def _require(
+    stats_per_layer: Sequence[AttentionStatsLike | None] | None, num_layers: int, who: str
+) -> list[AttentionStatsLike]:
+    if (
+        stats_per_layer is None
+        or len(stats_per_layer) != num_layers
+        or any(s is None for s in stats_per_layer)
+    ):
+        raise ValueError(f"{who} needs attention statistics for each of the {num_layers} layers")
+    return list(stats_per_layer)

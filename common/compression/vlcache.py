@@ -1,0 +1,39 @@
+"""VL-Cache (paper 001, section 4): post-vision attention scores with sparsity-aware layer budgets.
+
+Statistics: rows ``m - tau .. m-1`` (the language tokens after the last vision token); with tau = 0 the
+last ``min(m, 8)`` rows (see ``base.post_vision_start``). A text-only prompt has tau = m, so every row
+is post-vision and the score becomes H2O's accumulated attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Policy
+from .stats import AttentionStatsLike, group_sum
+
+
+@dataclass
+class VLCachePolicy(Policy):
+    """Score = column sums of the post-vision softmax, summed over the query heads of a KV group.
+
+    Budgets default to Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h.
+    """
+
+    name = "vlcache"
+    allocator: str = "sparsity"
+
+    def score(
+        self,
+        layer: int,
+        stats: AttentionStatsLike | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        m: int,
+        tau: int,
+    ) -> torch.Tensor:
+        """``[H_kv, m]``: ``sum_{h in group} sum_{i >= m - tau} A'_hij`` (stats.col_sum ``[H, m]``)."""
+        assert stats is not None
+        return group_sum(stats.col_sum.float(), keys.shape[0])

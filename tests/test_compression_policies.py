@@ -1,0 +1,193 @@
+"""Every policy through one table: kept counts, top-k + recent window by brute force, gather, GQA."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vlkv.common.compression import POLICY_NAMES, get_policy, layer_sparsity, recent_count, sparsity_budgets
+
+L, M, D, TAU = 3, 40, 8, 10
+HEADS = [(4, 2), (4, 4)]  # (H, H_kv): GQA and MHA
+
+
+def dense_stats(q: torch.Tensor, k: torch.Tensor, q_start: int, p: float = 0.01) -> SimpleNamespace:
+    """Reference statistics from the full matrix. q: [H, m, D], k: [H_kv, m, D]; rows q_start..m-1."""
+    heads, m, dim = q.shape
+    kk = k.repeat_interleave(heads // k.shape[0], dim=0)
+    logits = q[:, q_start:] @ kk.transpose(1, 2) / math.sqrt(dim)
+    visible = torch.arange(m)[None, :] <= torch.arange(q_start, m)[:, None]  # [Tq, m]
+    logits = logits.masked_fill(~visible, -math.inf)
+    probs = logits.softmax(-1)
+    zero = (probs < p * probs.amax(-1, keepdim=True)) & visible
+    return SimpleNamespace(
+        row_max=logits.amax(-1),
+        row_sumexp=(logits - logits.amax(-1, keepdim=True)).exp().sum(-1),
+        col_sum=probs.sum(1),
+        below=zero.sum((1, 2)),
+        unmasked=visible.sum().expand(heads),
+        probs=probs,
+    )
+
+
+def make_inputs(heads: int, kv_heads: int, seed: int = 0, m: int = M):
+    gen = torch.Generator().manual_seed(seed)
+    qs = [torch.randn(heads, m, D, generator=gen) * 2 for _ in range(L)]
+    ks = [torch.randn(kv_heads, m, D, generator=gen) for _ in range(L)]
+    vs = [torch.randn(kv_heads, m, D, generator=gen) for _ in range(L)]
+    return qs, ks, vs
+
+
+def stats_for(policy, qs, ks, m: int = M, tau: int = TAU):
+    q0 = policy.query_start(m, tau)
+    return [dense_stats(q, k, q0) for q, k in zip(qs, ks, strict=True)]
+
+
+def expected_scores(name: str, stats: SimpleNamespace, kv_heads: int, m: int) -> torch.Tensor | None:
+    """Brute-force per-query-head scores summed over each GQA group (None: not attention-based)."""
+    probs = stats.probs  # [H, Tq, m]
+    heads, tq, _ = probs.shape
+    if name in ("vlcache", "h2o"):
+        per_head = probs.sum(1)
+    elif name == "zipcache":
+        per_head = probs.sum(1) / (probs > 0).sum(1).clamp_min(1)
+    elif name in ("snapkv", "pyramidkv"):
+        col = probs.sum(1)
+        per_head = torch.stack([col[:, max(0, j - 3) : j + 4].amax(-1) for j in range(m)], dim=-1)
+    else:
+        return None
+    g = heads // kv_heads
+    return torch.stack([per_head[i * g : (i + 1) * g].sum(0) for i in range(kv_heads)])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+@pytest.mark.parametrize("allocator", [None, "uniform", "sparsity", "pyramid", "cake"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policy_invariants(name, allocator, heads, kv_heads):
+    policy = get_policy(name, allocator=allocator)
+    qs, ks, vs = make_inputs(heads, kv_heads)
+    stats = stats_for(policy, qs, ks)
+    alpha = 0.25
+    compact = policy.compress(stats, ks, vs, alpha=alpha, m=M, tau=TAU, first_token=7)
+    budgets = policy.allocate(stats, alpha, M, L)
+    assert compact.layer_lengths == budgets
+    assert compact.prompt_length == M and compact.first_token == 7
+    if name == "full":
+        assert budgets == [M] * L
+    for layer in range(L):
+        idx, k_l = compact.kept_indices[layer], budgets[layer]
+        assert idx.shape == (kv_heads, k_l) and idx.dtype == torch.int64
+        assert bool((idx[:, 1:] > idx[:, :-1]).all()), "kept indices must be sorted and unique"
+        for h in range(kv_heads):
+            assert torch.equal(compact.keys[layer][h], ks[layer][h, idx[h]])
+            assert torch.equal(compact.values[layer][h], vs[layer][h, idx[h]])
+        if k_l == M:
+            continue
+        recent = recent_count(k_l)
+        assert recent == math.ceil(0.1 * k_l - 1e-9)
+        assert bool((idx[:, k_l - recent :] == torch.arange(M - recent, M)).all()), "recent window"
+        scores = policy.score(layer, stats[layer], ks[layer], vs[layer], M, TAU)
+        want = expected_scores(name, stats[layer], kv_heads, M)
+        if want is not None:
+            torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-6)
+        for h in range(kv_heads):  # brute force: kept older tokens carry the top k - recent scores
+            older = scores[h, : M - recent]
+            kept = sorted(older[idx[h, : k_l - recent]].tolist(), reverse=True)
+            best = sorted(older.tolist(), reverse=True)[: k_l - recent]
+            assert kept == best
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("allocator", [None, "sparsity", "pyramid", "cake"])
+def test_full_budget_returns_cache_unchanged(name, allocator):
+    policy = get_policy(name, allocator=allocator)
+    qs, ks, vs = make_inputs(4, 2, seed=1)
+    compact = policy.compress(stats_for(policy, qs, ks), ks, vs, alpha=1.0, m=M, tau=TAU)
+    assert compact.layer_lengths == [M] * L
+    for layer in range(L):
+        assert compact.keys[layer] is ks[layer] and compact.values[layer] is vs[layer]
+        assert torch.equal(compact.kept_indices[layer], torch.arange(M).repeat(2, 1))
+
+
+def test_vlcache_defaults_use_post_vision_rows_and_algorithm1():
+    policy = get_policy("vlcache")
+    assert policy.allocator == "sparsity" and policy.query_start(M, TAU) == M - TAU
+    qs, ks, vs = make_inputs(4, 2, seed=2)
+    stats = stats_for(policy, qs, ks)
+    gammas = [layer_sparsity(s) for s in stats]
+    for s in stats:  # gamma'_h = zeros / unmasked entries of the post-vision rows
+        visible = TAU * M - TAU * (TAU - 1) // 2
+        assert int(s.unmasked[0]) == visible
+    budgets = policy.allocate(stats, 0.2, M, L)
+    assert budgets == sparsity_budgets(gammas, 0.2, M)
+    exact = get_policy("vlcache", exact_budget=True).allocate(stats, 0.2, M, L)
+    assert sum(exact) == round(0.2 * L * M)
+
+
+def test_query_rows_per_policy_and_tau0_fallback():
+    expect = {"vlcache": M - TAU, "h2o": 0, "zipcache": 0, "snapkv": M - 8, "pyramidkv": M - 8}
+    for name, q0 in expect.items():
+        assert get_policy(name).query_start(M, TAU) == q0
+    assert get_policy("vlcache").query_start(M, 0) == M - 8  # no post-vision text
+    assert get_policy("vlcache").query_start(5, 0) == 0
+    assert get_policy("snapkv", window=16).query_start(M, TAU) == M - 16
+    assert not get_policy("streamingllm").requires_stats and not get_policy("full").requires_stats
+    assert get_policy("streamingllm", allocator="sparsity").requires_stats
+
+
+def test_vlcache_tau0_runs_on_fallback_window():
+    policy = get_policy("vlcache")
+    qs, ks, vs = make_inputs(4, 2, seed=3)
+    stats = stats_for(policy, qs, ks, tau=0)
+    assert stats[0].row_max.shape == (4, 8)
+    compact = policy.compress(stats, ks, vs, alpha=0.1, m=M, tau=0)
+    assert compact.compression_ratio < 0.5
+
+
+def test_streamingllm_keeps_sinks_and_recent():
+    policy = get_policy("streamingllm", sinks=4)
+    _, ks, vs = make_inputs(4, 2, seed=4)
+    compact = policy.compress(None, ks, vs, alpha=0.3, m=M, tau=TAU)
+    k_l = math.ceil(0.3 * M)
+    want = torch.cat([torch.arange(4), torch.arange(M - (k_l - 4), M)])
+    for idx in compact.kept_indices:
+        assert torch.equal(idx, want.repeat(2, 1))
+    tiny = policy.compress(None, ks, vs, alpha=0.05, m=M, tau=TAU)  # k = 2: 1 sink + 1 recent
+    assert torch.equal(tiny.kept_indices[0], torch.tensor([[0, M - 1]] * 2))
+
+
+def test_random_is_seeded_deterministic():
+    _, ks, vs = make_inputs(4, 2, seed=5)
+    run = [get_policy("random", seed=s).compress(None, ks, vs, alpha=0.2, m=M, tau=TAU) for s in (3, 3, 4)]
+    for a, b in zip(run[0].kept_indices, run[1].kept_indices, strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, c) for a, c in zip(run[0].kept_indices, run[2].kept_indices, strict=True))
+
+
+def test_tiny_prompts():
+    for name in POLICY_NAMES:
+        policy = get_policy(name)
+        for m in (1, 2, 3):
+            qs, ks, vs = make_inputs(2, 1, seed=m, m=m)
+            stats = stats_for(policy, qs, ks, m=m, tau=1)
+            compact = policy.compress(stats, ks, vs, alpha=0.1, m=m, tau=1)
+            assert all(1 <= n <= m for n in compact.layer_lengths)
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown compression policy"):
+        get_policy("nope")
+    with pytest.raises(ValueError, match="unknown allocator"):
+        get_policy("h2o", allocator="nope")
+    with pytest.raises(ValueError, match="bad parameters"):
+        get_policy("h2o", window=3)
+    policy = get_policy("h2o")
+    qs, ks, vs = make_inputs(4, 2)
+    wrong_rows = stats_for(get_policy("vlcache"), qs, ks)
+    with pytest.raises(ValueError, match="query rows"):
+        policy.compress(wrong_rows, ks, vs, alpha=0.1, m=M, tau=TAU)
+    with pytest.raises(ValueError, match="statistics"):
+        policy.compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
+    assert get_policy("").name == "vlcache"

@@ -1,0 +1,79 @@
+"""Shared set-up of vlkv's grpc.aio servers: message limits, health checking, reflection, errors."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from vlkv.common.errors import VlkvError
+
+log = logging.getLogger(__name__)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class Server:
+    """A grpc.aio server with the standard health service and reflection for ``service_names``."""
+
+    def __init__(self, host: str, port: int, service_names: list[str], max_message_bytes: int) -> None:
+        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection(
+            [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def abort_on_error(method):
+    """Turn a VlkvError raised by a unary handler into the call's gRPC status."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except VlkvError as exc:
+            await context.abort(exc.code, exc.message)
+
+    return wrapper
+
+
+def abort_stream_on_error(method):
+    """The same for server-streaming handlers (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except VlkvError as exc:
+            await context.abort(exc.code, exc.message)
+
+    return wrapper

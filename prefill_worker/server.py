@@ -1,0 +1,130 @@
+"""The prefill worker's gRPC service: prefill, compress, hand the compact cache to a decode worker.
+
+Prefills run one at a time in a worker thread (the forward is compute-bound and uses all torch threads);
+queued requests wait on the event loop, which keeps answering health checks and load queries. The cache
+is streamed to the decode worker named in the request through its ``TransferKV`` call; a refusal there
+(pool full, fingerprint mismatch) comes back to the gateway with the decode worker's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from vlkv.common.compression_params import compression_from_proto
+from vlkv.common.config import ServerConfig
+from vlkv.common.errors import VlkvError
+from vlkv.common.grpc_server import abort_on_error, channel_options
+from vlkv.common.kv_wire import encode_compact_kv, model_fingerprint
+from vlkv.common.processing import decode_images
+from vlkv.common.sampling import sampling_from_proto
+from vlkv.prefill_worker.prefill import PrefillEngine
+from vlkv.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, model, processor, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.engine = PrefillEngine(model, processor, max_prompt_tokens=cfg.limits.max_prompt_tokens)
+        self.fingerprint = model_fingerprint(model)
+        self.eos_token_ids = eos_ids(model, processor.tokenizer)
+        self.address = ""
+        self.draining = False
+        self.running = 0
+        self.waiting = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-prefill")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def stop(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._executor.shutdown(wait=True)
+
+    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=channel_options(self.cfg.limits.max_message_bytes))
+            self._channels[address] = ch
+        return worker_pb2_grpc.DecodeWorkerStub(ch)
+
+    @abort_on_error
+    async def Prefill(self, request, context):
+        if not request.request_id or not request.decode_address:
+            raise VlkvError("request_id and decode_address are required", grpc.StatusCode.INVALID_ARGUMENT)
+        sampling = sampling_from_proto(request.sampling, self.cfg.limits)
+        compression = compression_from_proto(request.compression)
+        images = decode_images(list(request.images), self.cfg.limits)
+        loop = asyncio.get_running_loop()
+        self.waiting += 1
+        try:
+            result = await loop.run_in_executor(
+                self._executor, self._run_counted, images, request.prompt, sampling, compression
+            )
+        finally:
+            self.waiting -= 1
+        ckv = result.cache
+        chunks = encode_compact_kv(
+            ckv,
+            request_id=request.request_id,
+            fingerprint=self.fingerprint,
+            sampling=sampling.to_proto(),
+            eos_token_ids=self.eos_token_ids,
+            prompt_tokens=result.modality.m,
+            vision_tokens=result.modality.num_vision_tokens,
+            policy=result.policy,
+            chunk_bytes=self.cfg.transfer.chunk_bytes,
+        )
+        start = time.perf_counter()
+        try:
+            await self._stub(request.decode_address).TransferKV(chunks, timeout=self.cfg.transfer.deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                msg = f"KV hand-off to decode worker {request.decode_address} failed: {exc.details()}"
+                raise VlkvError(msg, grpc.StatusCode.UNAVAILABLE) from None
+            raise VlkvError(f"decode worker refused the cache: {exc.details()}", code) from None
+        transfer_ms = (time.perf_counter() - start) * 1000
+        return worker_pb2.PrefillReply(
+            prompt_tokens=result.modality.m,
+            vision_tokens=result.modality.num_vision_tokens,
+            post_vision_tokens=result.modality.tau,
+            first_token_id=ckv.first_token,
+            kv_bytes_kept=ckv.nbytes,
+            kv_bytes_full=ckv.full_nbytes,
+            compression_ratio=ckv.compression_ratio,
+            layer_budgets=ckv.layer_lengths,
+            prefill_ms=result.prefill_ms,
+            transfer_ms=transfer_ms,
+            policy=result.policy,
+        )
+
+    def _run_counted(self, *args):
+        self.running += 1
+        try:
+            return self.engine.run(*args)
+        finally:
+            self.running -= 1
+
+    async def GetLoad(self, request, context):
+        return worker_pb2.WorkerLoad(
+            address=self.address,
+            running=self.running,
+            waiting=max(0, self.waiting - self.running),
+            draining=self.draining,
+            model_fingerprint=self.fingerprint,
+        )

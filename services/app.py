@@ -1,0 +1,96 @@
+"""Builds and starts each vlkv server (gateway, prefill worker, decode worker) from a ServerConfig.
+
+Used by the Ray actors of ``deploy/`` (one server per actor process) and by tests that run servers
+in-process. Each function loads what its server needs, binds ``host:port`` (0 = any free port) and returns
+a handle whose ``address`` is what peers dial.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from vlkv.common.config import ServerConfig
+from vlkv.common.grpc_server import Server
+from vlkv.common.model_loading import load_model, load_processor
+from vlkv.decode_worker.server import DecodeServicer
+from vlkv.prefill_worker.server import PrefillServicer
+from vlkv.services.gateway import GatewayServicer
+from vlkv.services.router import Router
+from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _service_name(pb2, name: str) -> str:
+    return pb2.DESCRIPTOR.services_by_name[name].full_name
+
+
+@dataclass
+class Running:
+    server: Server
+    servicer: object
+    grace_s: float
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self) -> None:
+        if hasattr(self.servicer, "draining"):
+            self.servicer.draining = True
+        await self.server.stop(self.grace_s)
+        stop = getattr(self.servicer, "stop", None)
+        if stop is not None:
+            await stop()
+        close = getattr(getattr(self.servicer, "router", None), "close", None)
+        if close is not None:
+            await close()
+
+
+async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
+    torch.set_num_threads(cfg.model.torch_threads)
+    model = model if model is not None else load_model(cfg.model)
+    processor = processor if processor is not None else load_processor(cfg.model.path)
+    servicer = PrefillServicer(model, processor, cfg)
+    server = Server(cfg.host, port, [_service_name(worker_pb2, "PrefillWorker")], cfg.limits.max_message_bytes)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
+    servicer.address = server.address
+    await server.start()
+    log.info("prefill worker serving on %s", server.address)
+    return Running(server, servicer, cfg.grace_s)
+
+
+async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, tokenizer=None) -> Running:
+    torch.set_num_threads(cfg.model.torch_threads)
+    model = model if model is not None else load_model(cfg.model)
+    tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
+    servicer = DecodeServicer(model, tokenizer, cfg)
+    server = Server(cfg.host, port, [_service_name(worker_pb2, "DecodeWorker")], cfg.limits.max_message_bytes)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server.server)
+    servicer.address = server.address
+    await servicer.start()
+    await server.start()
+    log.info("decode worker serving on %s (%d KV blocks)", server.address, servicer.pool.num_blocks)
+    return Running(server, servicer, cfg.grace_s)
+
+
+async def start_gateway(
+    cfg: ServerConfig, prefill: list[str], decode: list[str], port: int = 0, processor=None
+) -> Running:
+    processor = processor if processor is not None else load_processor(cfg.model.path)
+    model_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    router = Router(cfg.limits.max_message_bytes)
+    for a in prefill:
+        router.add_prefill(a)
+    for a in decode:
+        router.add_decode(a)
+    servicer = GatewayServicer(processor, model_config, cfg, router)
+    server = Server(cfg.host, port, [_service_name(generate_pb2, "Generation")], cfg.limits.max_message_bytes)
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
+    await server.start()
+    log.info("gateway serving on %s", server.address)
+    return Running(server, servicer, cfg.grace_s)

@@ -1,0 +1,128 @@
+"""The public gRPC front: validate, route, run prefill and decode for a request, stream tokens back.
+
+For each ``Generate`` call the gateway validates everything it can before any worker does work (images,
+placeholders, prompt length, sampling and compression parameters), picks a decode worker with room and the
+least-loaded prefill worker, opens the decode worker's token stream, and starts the prefill (which hands
+the cache to that decode worker). A prefill failure cancels the token stream and ends the call with the
+prefill's status; a client that goes away cancels both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+import uuid
+
+import grpc
+
+from vlkv.common.compression_params import compression_from_proto
+from vlkv.common.config import ServerConfig
+from vlkv.common.errors import InvalidInput, VlkvError
+from vlkv.common.grpc_server import abort_stream_on_error
+from vlkv.common.processing import decode_images, prepare_inputs, render_prompt
+from vlkv.common.sampling import sampling_from_proto
+from vlkv.services.router import Router
+from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+MAX_REQUEST_ID = 128
+
+
+class GatewayServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, processor, model_config, cfg: ServerConfig, router: Router) -> None:
+        self.processor = processor
+        self.cfg = cfg
+        self.router = router
+        self.image_token_id = int(model_config.image_token_id)
+        self.num_layers = int(model_config.text_config.num_hidden_layers)
+        self.context = int(model_config.text_config.max_position_embeddings)
+        self.in_flight = 0
+
+    def _validate(self, request: generate_pb2.GenerateRequest):
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise InvalidInput(f"request_id is longer than {MAX_REQUEST_ID} characters")
+        sampling = sampling_from_proto(request.sampling, self.cfg.limits, default_seed=secrets.randbits(62))
+        compression = compression_from_proto(request.compression)
+        prompt = render_prompt(request, self.processor)
+        images = decode_images(list(request.images), self.cfg.limits)
+        m = prepare_inputs(self.processor, images, prompt, self.image_token_id).modality.m
+        limit = self.cfg.limits.max_prompt_tokens or self.context
+        if m > limit:
+            raise InvalidInput(f"the prompt has {m} tokens, over the limit of {limit}")
+        if m + sampling.max_new_tokens > self.context:
+            raise InvalidInput(
+                f"prompt ({m} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the model's "
+                f"context of {self.context} tokens"
+            )
+        return prompt, sampling, compression, m
+
+    @abort_stream_on_error
+    async def Generate(self, request, context):
+        start = time.perf_counter()
+        prompt, sampling, compression, m = self._validate(request)
+        rid = request.request_id or uuid.uuid4().hex
+        kept = m if compression.is_full else min(m, math.ceil(compression.budget * m))
+        decode = await self.router.pick_decode([kept] * self.num_layers, sampling.max_new_tokens)
+        prefill = self.router.pick_prefill()
+        prefill_req = worker_pb2.PrefillRequest(
+            request_id=rid,
+            images=list(request.images),
+            prompt=prompt,
+            sampling=sampling.to_proto(),
+            compression=request.compression,
+            decode_address=decode.address,
+        )
+        deadline = self.cfg.transfer.deadline_s
+        decode_call = decode.stub.Decode(
+            worker_pb2.DecodeRequest(request_id=rid, wait_ms=int(deadline * 2000)),
+        )
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        self.in_flight += 1
+        prefill_task = asyncio.ensure_future(prefill.stub.Prefill(prefill_req, timeout=deadline * 2))
+        prefill_task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or decode_call.cancel())
+        first = True
+        try:
+            async for resp in decode_call:
+                resp.request_id = rid
+                if first:
+                    ttft_ms = (time.perf_counter() - start) * 1000
+                    first = False
+                if resp.HasField("finished"):
+                    resp.finished.usage.ttft_ms = ttft_ms
+                yield resp
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            failure = _prefill_failure(prefill_task)
+            if failure is not None:
+                raise failure from None
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise VlkvError(f"decode worker {decode.address}: {exc.details()}", _public_code(exc.code())) from None
+        finally:
+            prefill.in_flight -= 1
+            decode.in_flight -= 1
+            self.in_flight -= 1
+            decode_call.cancel()
+            if not prefill_task.done():
+                prefill_task.cancel()
+
+
+def _public_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    """Internal failures a client cannot act on are reported as UNAVAILABLE (retryable)."""
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+        return grpc.StatusCode.UNAVAILABLE
+    return code
+
+
+def _prefill_failure(task: asyncio.Future) -> VlkvError | None:
+    if not task.done() or task.cancelled():
+        return None
+    exc = task.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return VlkvError(exc.details() or "prefill failed", _public_code(exc.code()))
+    return VlkvError(f"prefill failed: {exc}", grpc.StatusCode.UNAVAILABLE)

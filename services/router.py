@@ -1,0 +1,91 @@
+"""Chooses workers for a request: least-loaded prefill worker, decode worker with room in its KV pool.
+
+The gateway counts its own in-flight prefills per worker (no extra round trip); for decode it asks each
+worker's ``GetLoad`` and picks the one with the most free blocks among those that are not draining and
+whose free blocks cover the request's estimated need. Workers that do not answer are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+
+import grpc
+
+from vlkv.common.errors import ResourceExhausted, Unavailable
+from vlkv.common.grpc_server import channel_options
+from vlkv.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Worker:
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    in_flight: int = 0
+    load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
+
+
+class Router:
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = channel_options(max_message_bytes)
+        self.prefill: dict[str, Worker] = {}
+        self.decode: dict[str, Worker] = {}
+
+    def _add(self, pool: dict[str, Worker], address: str, stub_cls) -> None:
+        if address not in pool:
+            ch = grpc.aio.insecure_channel(address, options=self._options)
+            pool[address] = Worker(address, ch, stub_cls(ch))
+
+    def add_prefill(self, address: str) -> None:
+        self._add(self.prefill, address, worker_pb2_grpc.PrefillWorkerStub)
+
+    def add_decode(self, address: str) -> None:
+        self._add(self.decode, address, worker_pb2_grpc.DecodeWorkerStub)
+
+    async def remove(self, address: str) -> None:
+        for pool in (self.prefill, self.decode):
+            w = pool.pop(address, None)
+            if w is not None:
+                await w.channel.close()
+
+    async def close(self) -> None:
+        for address in list(self.prefill) + list(self.decode):
+            await self.remove(address)
+
+    def pick_prefill(self) -> Worker:
+        if not self.prefill:
+            raise Unavailable("no prefill worker is registered")
+        return min(self.prefill.values(), key=lambda w: w.in_flight)
+
+    async def _poll(self, w: Worker) -> worker_pb2.WorkerLoad | None:
+        try:
+            w.load = await w.stub.GetLoad(worker_pb2.LoadRequest(), timeout=LOAD_TIMEOUT_S)
+            return w.load
+        except grpc.aio.AioRpcError as exc:
+            log.warning("decode worker %s did not answer GetLoad: %s", w.address, exc.code().name)
+            return None
+
+    async def pick_decode(self, layer_tokens: list[int], max_new_tokens: int) -> Worker:
+        """The decode worker with the most free blocks that can hold ``layer_tokens`` + max_new_tokens."""
+        if not self.decode:
+            raise Unavailable("no decode worker is registered")
+        workers = list(self.decode.values())
+        loads = await asyncio.gather(*(self._poll(w) for w in workers))
+        live = [(w, ld) for w, ld in zip(workers, loads) if ld is not None and not ld.draining]
+        if not live:
+            raise Unavailable("no decode worker is reachable")
+        fitting = [
+            (w, ld)
+            for w, ld in live
+            if sum(math.ceil((n + max_new_tokens) / max(ld.block_size, 1)) for n in layer_tokens) <= ld.free_blocks
+        ]
+        if not fitting:
+            best = max(ld.free_blocks for _, ld in live)
+            raise ResourceExhausted(f"no decode worker has room for this request (most free blocks: {best})")
+        return max(fitting, key=lambda p: (p[1].free_blocks, -p[0].in_flight))[0]

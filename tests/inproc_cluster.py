@@ -1,0 +1,48 @@
+"""Runs a gateway, a prefill worker and a decode worker in this process, on a background event loop.
+
+Real gRPC over localhost between the three servers; tests talk to the gateway with a sync client.
+(The Ray-placed deployment has its own tests in test_deploy_local.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+
+from vlkv.common.config import ServerConfig
+from vlkv.common.model_loading import load_model, load_processor
+from vlkv.services.app import start_decode_worker, start_gateway, start_prefill_worker
+from vlkv.v1 import generate_pb2_grpc
+
+
+class InProcCluster:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.model = load_model(cfg.model)
+        self.processor = load_processor(cfg.model.path)
+        self.prefill = self.run(start_prefill_worker(cfg, model=self.model, processor=self.processor))
+        self.decode = self.run(start_decode_worker(cfg, model=self.model, tokenizer=self.processor.tokenizer))
+        self.gateway = self.run(
+            start_gateway(cfg, [self.prefill.address], [self.decode.address], processor=self.processor)
+        )
+        self.channel = grpc.insecure_channel(self.gateway.address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def pool(self):
+        return self.decode.servicer.pool
+
+    def close(self) -> None:
+        self.channel.close()
+        for r in (self.gateway, self.prefill, self.decode):
+            self.run(r.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -79,6 +79,8 @@ def test_edge_cases():
         assert sparsity_budgets([0.3, 0.6], 0.5, 1, exact=exact) == [1, 1]  # tiny m
     assert uniform_budgets(4, 1.0, 9) == [9] * 4
     assert uniform_budgets(2, 0.1, 30) == [3, 3]  # 0.1 * 30 ceils to 3, not 4
+    assert uniform_budgets(2, float(torch.tensor(0.1, dtype=torch.float32)), 30) == [3, 3]  # proto float
+    assert sparsity_budgets([0.5, 0.5], float(torch.tensor(0.1, dtype=torch.float32)), 30) == [3, 3]
     assert uniform_budgets(2, 0.001, 30) == [1, 1]
     with pytest.raises(ValueError):
         sparsity_budgets([0.5], 0.0, 10)

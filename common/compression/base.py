@@ -36,7 +36,7 @@ def post_vision_start(m: int, tau: int) -> int:
 
 def recent_count(k: int, ratio: float = 0.1) -> int:
     """Size of the always-kept recent window, ``ceil(ratio * k)`` (at most k)."""
-    return min(k, math.ceil(ratio * k - 1e-9 * max(1.0, ratio * k)))
+    return min(k, math.ceil(ratio * k - 1e-6 * max(1.0, ratio * k)))
 
 
 @dataclass

@@ -18,10 +18,11 @@ import torch
 
 from .stats import AttentionStatsLike, num_query_rows
 
-_EPS = 1e-9  # float noise guard: 0.1 * 30 must ceil to 3, not 4
+_EPS = 1e-6  # relative float noise guard: 0.1 * 30 (or float32 0.1 from a proto) ceils to 3, not 4
 
 
 def _ceil(x: float) -> int:
+    """ceil that ignores relative noise below 1e-6 (alpha often arrives as a float32)."""
     return math.ceil(x - _EPS * max(1.0, abs(x)))
 
 

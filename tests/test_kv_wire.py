@@ -9,7 +9,6 @@ import zlib
 import grpc
 import pytest
 import torch
-from kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
 from vlkv.common.kv_wire import (
     KVWireError,
     encode_header,
@@ -19,6 +18,8 @@ from vlkv.common.kv_wire import (
 )
 from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
 from vlkv.v1 import kv_pb2
+
+from tests.kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
 
 IA, DL, FPC = (
     grpc.StatusCode.INVALID_ARGUMENT,

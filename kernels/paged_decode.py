@@ -1,0 +1,236 @@
+"""Paged decode attention in Triton, split along the sequence (flash-decoding).
+
+Shapes (S sequences, H query heads, H_kv KV heads, G = H // H_kv, P tokens per block, D head dim):
+``q`` ``[S, H, D]`` one new query per sequence; ``k_pool``, ``v_pool`` ``[num_blocks, H_kv, P, D]`` one
+layer's view of the shared pool; ``block_tables`` ``[S, max_blocks]`` int32, token ``t`` of sequence ``s``
+at block ``block_tables[s, t // P]``, offset ``t % P``; ``lengths`` ``[S]`` int32 (>= 1). Query head
+``h`` reads KV head ``h // G``.
+
+Two kernels:
+
+1. ``_split_kernel``, grid ``(S, H_kv, num_splits)``: the G query heads of one KV head (padded to a
+   ``BLOCK_G >= 16`` tile so the products run on ``tl.dot``) against one contiguous range of
+   ``split_tokens`` cached tokens, read ``BLOCK_N`` tokens at a time through the block table, with an
+   online softmax -> partial max, sum-exp ``[S, H, num_splits]`` and unnormalized output
+   ``[S, H, num_splits, D]`` (fp32). A split past the sequence's end writes ``(-inf, 0, 0)``.
+2. ``_combine_kernel``, grid ``(S, H)``: rescales and sums the splits -> ``[S, H, D]`` in q's dtype.
+
+:func:`paged_decode_attention` dispatches to these kernels for CUDA tensors (or ``force_triton=True``,
+which on CPU needs ``TRITON_INTERPRET=1`` set before this module is imported), else to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .paged_decode_reference import check_paged_inputs, check_paged_values, paged_decode_reference
+
+__all__ = ["paged_decode_attention", "paged_decode_reference"]
+
+# Test-only hook: fill the internal split buffers with NaN so an unwritten partial shows.
+_POISON_WORKSPACE = False
+
+
+@triton.jit
+def _load_tokens(base, tok_off, offs_d, tok_ok, D, stride_d):
+    """``[BLOCK_N, BLOCK_D]`` rows at element offsets ``tok_off`` (zeros for masked tokens / dims)."""
+    mask = tok_ok[:, None] & (offs_d[None, :] < D)
+    return tl.load(base + tok_off[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
+    scale, D, split_tokens,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ts, stride_tb,
+    stride_ms, stride_mh, stride_mp,
+    stride_as, stride_ah, stride_ap, stride_ad,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    q_mask = g_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(
+        q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_mask
+    )
+    if UPCAST:  # the CPU interpreter cannot tl.dot bf16 (triton-lang/triton#11584)
+        q = q.to(tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    table = tables_ptr + seq * stride_ts
+
+    start = split * split_tokens
+    end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        tok_ok = offs_n < end
+        # Block ids in int64: a large pool's element offsets overflow int32.
+        block = tl.load(table + (offs_n // PAGE) * stride_tb, mask=tok_ok, other=0).to(tl.int64)
+        slot = offs_n % PAGE
+        k = _load_tokens(k_base, block * stride_kb + slot * stride_kt, offs_d, tok_ok, D, stride_kd)
+        v = _load_tokens(v_base, block * stride_vb + slot * stride_vt, offs_d, tok_ok, D, stride_vd)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        # The first tile holds token `start` < end, so m_new is finite from the first iteration on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    ml_off = seq * stride_ms + head * stride_mh + split * stride_mp
+    tl.store(m_part_ptr + ml_off, m_i, mask=g_ok)
+    tl.store(l_part_ptr + ml_off, l_i, mask=g_ok)
+    acc_off = seq * stride_as + head[:, None] * stride_ah + split * stride_ap + offs_d[None, :] * stride_ad
+    tl.store(acc_part_ptr + acc_off, acc, mask=q_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    m_part_ptr, l_part_ptr, acc_part_ptr, out_ptr,
+    num_splits, D,
+    stride_ms, stride_mh, stride_mp,
+    stride_as, stride_ah, stride_ap, stride_ad,
+    stride_os, stride_oh, stride_od,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    ml_base = seq * stride_ms + head * stride_mh
+    acc_base = acc_part_ptr + seq * stride_as + head * stride_ah + offs_d[None, :] * stride_ad
+    # Split 0 always holds token 0, so the global max is finite and every weight exp(m - M) is defined.
+    m_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, num_splits, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        m = tl.load(m_part_ptr + ml_base + offs_p * stride_mp, mask=offs_p < num_splits, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    m_glob = tl.max(m_max, axis=0)
+    denom = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for p0 in range(0, num_splits, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        p_ok = offs_p < num_splits
+        m = tl.load(m_part_ptr + ml_base + offs_p * stride_mp, mask=p_ok, other=float("-inf"))
+        l_s = tl.load(l_part_ptr + ml_base + offs_p * stride_mp, mask=p_ok, other=0.0)
+        w = tl.exp(m - m_glob)
+        denom += l_s * w
+        part = tl.load(
+            acc_base + offs_p[:, None] * stride_ap, mask=p_ok[:, None] & (offs_d[None, :] < D), other=0.0
+        )
+        acc += tl.sum(part * w[:, None], axis=0)
+    out = acc / tl.sum(denom, axis=0)
+    o_ptrs = out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def _check_triton_device(t: Tensor, kernel) -> None:
+    if t.is_cuda:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before vlkv.kernels is imported"
+        )
+
+
+def _default_splits(n_tiles: int, n_seq: int, n_kv: int, device: torch.device) -> int:
+    """Enough (seq, KV head, split) programs to fill the device about twice over."""
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(n_tiles, triton.cdiv(2 * n_sm, n_seq * n_kv)))
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    lengths: Tensor,
+    *,
+    scale: float,
+    force_triton: bool = False,
+    out: Tensor | None = None,
+    max_length: int | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    validate: bool = True,
+) -> Tensor:
+    """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
+
+    Triton on CUDA tensors (or with ``force_triton``), the torch reference otherwise.
+    ``out`` (Triton path): ``[S, H, D]`` buffer in q's dtype written in place.
+    ``max_length``: an upper bound of ``lengths`` (else read from the device, a sync).
+    ``num_splits``: splits per sequence (else sized to the device). ``block_n``: tokens per tile.
+    ``validate``: check lengths and the needed block ids (a device sync; off in a hot loop).
+    """
+    n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    if validate:
+        check_paged_values(block_tables, lengths, n_blocks, page)
+    if not (q.is_cuda or force_triton):
+        if out is not None:
+            raise ValueError("out= is only supported on the Triton path")
+        return paged_decode_reference(q, k_pool, v_pool, block_tables, lengths, scale=scale, validate=False)
+    _check_triton_device(q, _split_kernel)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if out is None:
+        out = torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} {tuple(out.shape)}"
+        )
+    if n_seq == 0:
+        return out
+    lengths = lengths.contiguous()  # the kernel reads lengths[seq] at unit stride
+    if max_length is None:
+        max_length = int(lengths.max())
+    n_tiles = triton.cdiv(max(1, max_length), block_n)
+    splits = num_splits if num_splits is not None else _default_splits(n_tiles, n_seq, n_kv, q.device)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    split_tokens = triton.cdiv(n_tiles, min(splits, n_tiles)) * block_n
+    splits = triton.cdiv(max_length, split_tokens)
+
+    m_part = q.new_empty((n_seq, n_heads, splits), dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    acc_part = q.new_empty((n_seq, n_heads, splits, dim), dtype=torch.float32)
+    if _POISON_WORKSPACE:
+        for t in (m_part, l_part, acc_part):
+            t.fill_(float("nan"))
+    upcast = q.dtype == torch.bfloat16 and not q.is_cuda
+    block_d = max(16, triton.next_power_of_2(dim))
+    m_strides = m_part.stride()
+    a_strides = acc_part.stride()
+    _split_kernel[(n_seq, n_kv, splits)](
+        q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part,
+        scale, dim, split_tokens,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(), *m_strides, *a_strides,
+        GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
+        BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+    )  # fmt: skip
+    _combine_kernel[(n_seq, n_heads)](
+        m_part, l_part, acc_part, out, splits, dim, *m_strides, *a_strides, *out.stride(),
+        BLOCK_P=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,153 @@
+"""Pure-torch paged decode attention (the reference, and the CPU production path).
+
+Shapes (S sequences, H query heads, H_kv KV heads, G = H // H_kv, P tokens per block, D head dim):
+
+- ``q``: ``[S, H, D]``, one new query per sequence; query head ``h`` reads KV head ``h // G``
+- ``k_pool``, ``v_pool``: ``[num_blocks, H_kv, P, D]``, one layer's view of the shared block pool
+- ``block_tables``: ``[S, max_blocks_per_seq]`` int32; token ``t`` of sequence ``s`` lives in block
+  ``block_tables[s, t // P]`` at offset ``t % P``; entries past a sequence's need are ignored
+- ``lengths``: ``[S]`` int32, valid tokens per sequence (>= 1)
+
+Output ``[S, H, D]`` in ``q``'s dtype: ``softmax(scale * q k^T) v`` over each sequence's valid tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_paged_inputs", "check_paged_values", "paged_decode_reference"]
+
+# Upper bound on the fp32 K + V gathered at once by the reference (256 MiB).
+DEFAULT_CHUNK_BYTES = 256 << 20
+_SCRATCH = threading.local()
+
+
+def check_paged_inputs(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor
+) -> tuple[int, int, int, int, int, int]:
+    """Validate shapes, dtypes and devices; return ``(S, H, D, num_blocks, H_kv, P)``."""
+    if q.dim() != 3 or k_pool.dim() != 4:
+        raise ValueError(f"q must be [S, H, D] and k_pool [blocks, H_kv, P, D], got {tuple(q.shape)}, "
+                         f"{tuple(k_pool.shape)}")  # fmt: skip
+    n_seq, n_heads, dim = q.shape
+    n_blocks, n_kv, page, dim_k = k_pool.shape
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)}")
+    if dim_k != dim:
+        raise ValueError(f"head dim mismatch: q has {dim}, the pool {dim_k}")
+    if n_kv == 0 or n_heads % n_kv != 0:
+        raise ValueError(f"H={n_heads} must be a multiple of H_kv={n_kv}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != n_seq or block_tables.shape[1] == 0:
+        raise ValueError(
+            f"block_tables must be [S={n_seq}, max_blocks >= 1], got {tuple(block_tables.shape)}"
+        )
+    if lengths.shape != (n_seq,):
+        raise ValueError(f"lengths must be [S={n_seq}], got {tuple(lengths.shape)}")
+    if block_tables.dtype != torch.int32 or lengths.dtype != torch.int32:
+        raise TypeError(f"block_tables and lengths must be int32, got {block_tables.dtype}, {lengths.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"q must be fp32, fp16 or bf16, got {q.dtype}")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(
+            f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+        )
+    devices = {t.device for t in (q, k_pool, v_pool, block_tables, lengths)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    return n_seq, n_heads, dim, n_blocks, n_kv, page
+
+
+def check_paged_values(block_tables: Tensor, lengths: Tensor, n_blocks: int, page: int) -> None:
+    """Data checks (a device sync on GPU): 1 <= length <= table capacity, needed block ids in the pool."""
+    if lengths.numel() == 0:
+        return
+    capacity = block_tables.shape[1] * page
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 1 or hi > capacity:
+        raise ValueError(f"lengths must be in [1, {capacity}] (max_blocks * P), got [{lo}, {hi}]")
+    needed = torch.arange(block_tables.shape[1], device=lengths.device) * page < lengths[:, None]
+    ids = block_tables[needed]
+    if int(ids.min()) < 0 or int(ids.max()) >= n_blocks:
+        raise ValueError(f"block ids of valid tokens must be in [0, {n_blocks}), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")  # fmt: skip
+
+
+def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A reusable per-thread buffer: fresh multi-MB allocations page-fault on every decode step."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    numel, key = math.prod(shape), (slot, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def _gather(pool: Tensor, table: Tensor, slot: str) -> Tensor:
+    """``[c, H_kv, nb * P, D]`` tokens of the blocks ``table`` ``[c, nb]`` (int64) in the pool's dtype."""
+    n_blocks, n_kv, page, dim = pool.shape
+    c, n_blk = table.shape
+    s0, s1, s2, s3 = pool.stride()
+    if not (s3 == 1 and s2 == dim and s1 == page * dim and s0 % dim == 0):
+        # Blocks are not [H_kv, P, D] slabs: slow path through advanced indexing.
+        return pool[table].transpose(1, 2).reshape(c, n_kv, n_blk * page, dim)
+    # Every (block, head, offset) is one contiguous row of D elements: gather the rows in output order.
+    rows = pool.as_strided(((n_blocks - 1) * (s0 // dim) + n_kv * page, dim), (dim, 1))
+    head = torch.arange(n_kv, device=table.device).view(1, n_kv, 1, 1)
+    offset = torch.arange(page, device=table.device).view(1, 1, 1, page)
+    idx = (table.view(c, 1, n_blk, 1) * (s0 // dim) + head * page + offset).view(-1)
+    out = _scratch(slot, (c * n_kv * n_blk * page, dim), pool.dtype, pool.device)
+    return torch.index_select(rows, 0, idx, out=out).view(c, n_kv, n_blk * page, dim)
+
+
+@torch.no_grad()
+def paged_decode_reference(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    lengths: Tensor,
+    *,
+    scale: float,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    validate: bool = True,
+) -> Tensor:
+    """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
+
+    Sequences are processed longest first in chunks whose gathered K + V stay under ``chunk_bytes``
+    (fp32 compute; the gather buffers are kept per thread and reused); each chunk is padded only to
+    its own longest sequence.
+    """
+    n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    if validate:
+        check_paged_values(block_tables, lengths, n_blocks, page)
+    group = n_heads // n_kv
+    out = torch.empty_like(q)
+    if n_seq == 0:
+        return out
+    lens, order = torch.sort(lengths.long(), descending=True)
+    lens_list = lens.tolist()
+    start = 0
+    while start < n_seq:
+        n_tok = math.ceil(lens_list[start] / page) * page
+        per_seq = 2 * n_kv * n_tok * dim * 4
+        stop = min(n_seq, start + max(1, chunk_bytes // per_seq))
+        c, n_blk = stop - start, n_tok // page
+        idx, ln = order[start:stop], lens[start:stop]
+        table = block_tables[idx, :n_blk].long()
+        pad = torch.arange(n_tok, device=q.device) >= ln[:, None]  # [c, n_tok]
+        table.masked_fill_(pad[:, ::page], 0)  # blocks no token of the sequence needs
+        kk, vv = _gather(k_pool, table, "k"), _gather(v_pool, table, "v")
+        if kk.dtype != torch.float32:
+            kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk)
+            vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv)
+        qq = (q[idx].float() * scale).view(c, n_kv, group, dim)
+        s = torch.matmul(qq, kk.transpose(-1, -2))  # [c, H_kv, G, n_tok]
+        s.masked_fill_(pad.view(c, 1, 1, n_tok), -math.inf)
+        probs = torch.softmax(s, dim=-1)
+        out[idx] = torch.matmul(probs, vv).view(c, n_heads, dim).to(q.dtype)
+        start = stop
+    return out

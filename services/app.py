@@ -56,7 +56,9 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
     model = model if model is not None else load_model(cfg.model)
     processor = processor if processor is not None else load_processor(cfg.model.path)
     servicer = PrefillServicer(model, processor, cfg)
-    server = Server(cfg.host, port, [_service_name(worker_pb2, "PrefillWorker")], cfg.limits.max_message_bytes)
+    server = Server(
+        cfg.host, port, [_service_name(worker_pb2, "PrefillWorker")], cfg.limits.max_message_bytes
+    )
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address
     await server.start()

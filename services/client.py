@@ -39,7 +39,9 @@ def build_request(
     ):
         if value is not None:
             setattr(sampling, name, value)
-    compression = generate_pb2.CompressionParams(policy=policy, allocator=allocator, exact_budget=exact_budget)
+    compression = generate_pb2.CompressionParams(
+        policy=policy, allocator=allocator, exact_budget=exact_budget
+    )
     if budget is not None:
         compression.budget = budget
     if threshold is not None:
@@ -80,7 +82,12 @@ def generate(stub, request, timeout: float | None = None) -> Result:
     return out
 
 
-def connect(address: str, max_message_bytes: int = 64 << 20) -> tuple[grpc.Channel, generate_pb2_grpc.GenerationStub]:
-    opts = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+def connect(
+    address: str, max_message_bytes: int = 64 << 20
+) -> tuple[grpc.Channel, generate_pb2_grpc.GenerationStub]:
+    opts = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
     channel = grpc.insecure_channel(address, options=opts)
     return channel, generate_pb2_grpc.GenerationStub(channel)

@@ -83,7 +83,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         decode.in_flight += 1
         self.in_flight += 1
         prefill_task = asyncio.ensure_future(prefill.stub.Prefill(prefill_req, timeout=deadline * 2))
-        prefill_task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or decode_call.cancel())
+        prefill_task.add_done_callback(
+            lambda t: t.cancelled() or t.exception() is None or decode_call.cancel()
+        )
         first = True
         try:
             async for resp in decode_call:
@@ -100,7 +102,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 raise failure from None
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise VlkvError(f"decode worker {decode.address}: {exc.details()}", _public_code(exc.code())) from None
+            raise VlkvError(
+                f"decode worker {decode.address}: {exc.details()}", _public_code(exc.code())
+            ) from None
         finally:
             prefill.in_flight -= 1
             decode.in_flight -= 1

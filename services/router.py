@@ -83,7 +83,8 @@ class Router:
         fitting = [
             (w, ld)
             for w, ld in live
-            if sum(math.ceil((n + max_new_tokens) / max(ld.block_size, 1)) for n in layer_tokens) <= ld.free_blocks
+            if sum(math.ceil((n + max_new_tokens) / max(ld.block_size, 1)) for n in layer_tokens)
+            <= ld.free_blocks
         ]
         if not fitting:
             best = max(ld.free_blocks for _, ld in live)

@@ -1,0 +1,51 @@
+"""Ray actors that host vlkv's worker servers, one server per actor process.
+
+An actor is an async Ray actor: its event loop runs the worker's grpc.aio server, so after ``start``
+returns the worker keeps serving while the actor lives. Ray places the actor by its resource request
+(CPUs here, a GPU each on a GPU cluster) and restarts it if its process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from vlkv.common.config import ServerConfig
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class _WorkerActor:
+    kind = ""
+
+    def __init__(self) -> None:
+        self._running = None
+
+    async def start(self, cfg: ServerConfig, port: int = 0) -> str:
+        _setup_logging()
+        from vlkv.services import app
+
+        starter = app.start_prefill_worker if self.kind == "prefill" else app.start_decode_worker
+        self._running = await starter(cfg, port)
+        return self._running.address
+
+    async def address(self) -> str:
+        return self._running.address if self._running else ""
+
+    async def stop(self) -> None:
+        if self._running is not None:
+            await self._running.stop()
+            self._running = None
+
+
+@ray.remote(max_restarts=0)
+class PrefillActor(_WorkerActor):
+    kind = "prefill"
+
+
+@ray.remote(max_restarts=0)
+class DecodeActor(_WorkerActor):
+    kind = "decode"

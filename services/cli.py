@@ -1,0 +1,221 @@
+"""The ``vlkv`` command line: serve, generate, demo, eval."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, ServerConfig
+
+POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv, random, full"
+
+
+def _server_config(args) -> ServerConfig:
+    return ServerConfig(
+        model=ModelConfig(path=args.model, dtype=args.dtype, torch_threads=args.threads),
+        pool=PoolConfig(
+            pool_bytes=int(args.pool_mb * (1 << 20)), block_size=args.block_size, max_batch=args.max_batch
+        ),
+        host=args.host,
+    )
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local LLaVA checkpoint directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--pool-mb", type=float, default=256, help="KV pool size of each decode worker (MiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-batch", type=int, default=64, help="most sequences in one decode step")
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--policy", default="", help=POLICY_HELP)
+    p.add_argument("--budget", type=float, default=None, help="KV budget alpha in (0, 1]; default 0.1")
+    p.add_argument("--threshold", type=float, default=None, help="sparsity threshold p; default 0.01")
+    p.add_argument("--allocator", default="", help="sparsity, uniform, pyramid or cake")
+    p.add_argument("--exact-budget", action="store_true")
+
+
+def _request_kwargs(args) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        policy=args.policy,
+        budget=args.budget,
+        threshold=args.threshold,
+        allocator=args.allocator,
+        exact_budget=args.exact_budget,
+    )
+
+
+async def _with_cluster(args, body) -> int:
+    from vlkv.deploy.local import LocalCluster
+
+    cluster = LocalCluster(
+        _server_config(args),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        gateway_port=getattr(args, "port", 0),
+        ray_address=args.ray_address,
+    )
+    print("starting vlkv: Ray, prefill and decode workers, gateway ...", flush=True)
+    await cluster.start()
+    try:
+        return await body(cluster)
+    finally:
+        print("shutting down ...", flush=True)
+        await cluster.stop()
+
+
+def cmd_serve(args) -> int:
+    async def body(cluster) -> int:
+        print(f"vlkv gateway listening on {cluster.address} (Ctrl-C to stop)", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        return 0
+
+    return asyncio.run(_with_cluster(args, body))
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from vlkv.services.client import build_request, connect, stream
+
+    images = [Path(p).read_bytes() for p in args.image]
+    if args.chat:
+        req = build_request(images=images, question=args.prompt, **_request_kwargs(args))
+    else:
+        req = build_request(prompt=args.prompt, images=images, **_request_kwargs(args))
+    channel, stub = connect(args.address)
+    try:
+        for resp in stream(stub, req, timeout=args.timeout):
+            if resp.HasField("token"):
+                print(resp.token.text, end="", flush=True)
+            else:
+                u = resp.finished.usage
+                print(
+                    f"\n[{_reason(resp.finished.reason)}] prompt {u.prompt_tokens} tokens "
+                    f"({u.vision_tokens} vision), generated {u.generated_tokens}, KV kept {u.kv_bytes_kept} of "
+                    f"{u.kv_bytes_full} bytes (ratio {u.compression_ratio:.3f}, policy {u.policy}), "
+                    f"TTFT {u.ttft_ms:.0f} ms",
+                    file=sys.stderr,
+                )
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    return 0
+
+
+def _reason(reason: int) -> str:
+    from vlkv.v1 import generate_pb2
+
+    return generate_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def cmd_demo(args) -> int:
+    from vlkv.common.synthetic_task import is_correct, make_examples
+    from vlkv.services.client import build_request, connect, generate
+
+    examples = make_examples(args.n, seed=args.seed, split="heldout")
+
+    async def body(cluster) -> int:
+        channel, stub = connect(cluster.address)
+        correct = 0
+        try:
+            for i, ex in enumerate(examples):
+                req = build_request(
+                    images=[_png(im) for im in ex.images],
+                    question=ex.question,
+                    max_new_tokens=8,
+                    policy=args.policy,
+                    budget=args.budget,
+                )
+                out = await asyncio.to_thread(generate, stub, req, 120)
+                ok = is_correct(out.text, ex)
+                correct += ok
+                u = out.finished.usage
+                print(f"[{i + 1}/{len(examples)}] {len(ex.images)} image(s) | Q: {ex.question}")
+                print(f"    A: {out.text.strip()!r} (expected {ex.answer!r}) {'correct' if ok else 'WRONG'}")
+                print(
+                    f"    prompt {u.prompt_tokens} tokens ({u.vision_tokens} vision), generated "
+                    f"{u.generated_tokens}, KV kept {u.kv_bytes_kept}/{u.kv_bytes_full} bytes "
+                    f"(ratio {u.compression_ratio:.3f}, {u.policy}), TTFT {u.ttft_ms:.0f} ms",
+                    flush=True,
+                )
+        finally:
+            channel.close()
+        print(f"{correct}/{len(examples)} answered correctly")
+        return 0 if correct > 0 else 1
+
+    return asyncio.run(_with_cluster(args, body))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vlkv", description="Disaggregated VLM serving with compressed KV caches"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start a local cluster: gateway + prefill + decode workers on Ray")
+    _add_server_flags(p)
+    p.add_argument("--port", type=int, default=50051, help="public gRPC port of the gateway")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="send one request to a running gateway and stream the answer")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--image", action="append", default=[], help="PNG/JPEG file (repeatable)")
+    p.add_argument("--prompt", required=True, help='prompt text; "<image>" marks each image unless --chat')
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat turn after the images")
+    p.add_argument("--timeout", type=float, default=300)
+    _add_request_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "demo", help="start a local cluster and answer synthetic questions with the default model"
+    )
+    _add_server_flags(p)
+    p.add_argument("-n", type=int, default=4, help="number of questions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="")
+    p.add_argument("--budget", type=float, default=None)
+    p.set_defaults(func=cmd_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The Ray deployment path: workers placed as Ray actors (separate processes), gateway in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+import ray
+
+from tests.test_e2e_equality import random_png
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.deploy.local import LocalCluster, init_ray
+from vlkv.services.client import build_request, connect, generate
+from vlkv.v1 import worker_pb2, worker_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs):
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
+    )
+    init_ray(num_cpus=2)
+    c = LocalCluster(cfg, num_prefill=1, num_decode=1, worker_cpus=0.5)
+    loop = asyncio.new_event_loop()  # the gateway serves from this loop, on a background thread
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(c.start(), loop).result(300)
+    yield c, loop
+    asyncio.run_coroutine_threadsafe(c.stop(), loop).result(120)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    ray.shutdown()
+
+
+def test_request_through_ray_placed_workers(cluster):
+    c, loop = cluster
+    channel, stub = connect(c.address)
+    try:
+        images = [random_png(1), random_png(2)]
+        full = generate(
+            stub,
+            build_request(
+                images=images, question="what colour is the square ?", max_new_tokens=5, policy="full"
+            ),
+            timeout=120,
+        )
+        assert full.finished.usage.generated_tokens >= 1
+        comp = generate(
+            stub,
+            build_request(
+                images=images, question="what colour is the square ?", max_new_tokens=5, budget=0.2
+            ),
+            timeout=120,
+        )
+        assert comp.finished.usage.compression_ratio < 0.5
+        assert comp.token_ids[0] == full.token_ids[0]
+    finally:
+        channel.close()
+
+
+def test_workers_are_separate_processes_and_pools_return(cluster):
+    c, loop = cluster
+    import grpc
+
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in c.actors])
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    with grpc.insecure_channel(c.decode_addresses[0]) as ch:
+        load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
+    assert load.free_blocks == load.total_blocks > 0
+    assert load.running == 0

@@ -93,7 +93,7 @@ def _gather(pool: Tensor, table: Tensor, slot: str) -> Tensor:
     s0, s1, s2, s3 = pool.stride()
     if not (s3 == 1 and s2 == dim and s1 == page * dim and s0 % dim == 0):
         # Blocks are not [H_kv, P, D] slabs: slow path through advanced indexing.
-        return pool[table].transpose(1, 2).reshape(c, n_kv, n_blk * page, dim)
+        return pool[table].transpose(1, 2).contiguous().view(c, n_kv, n_blk * page, dim)
     # Every (block, head, offset) is one contiguous row of D elements: gather the rows in output order.
     rows = pool.as_strided(((n_blocks - 1) * (s0 // dim) + n_kv * page, dim), (dim, 1))
     head = torch.arange(n_kv, device=table.device).view(1, n_kv, 1, 1)
@@ -144,10 +144,12 @@ def paged_decode_reference(
         if kk.dtype != torch.float32:
             kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk)
             vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv)
-        qq = (q[idx].float() * scale).view(c, n_kv, group, dim)
-        s = torch.matmul(qq, kk.transpose(-1, -2))  # [c, H_kv, G, n_tok]
-        s.masked_fill_(pad.view(c, 1, 1, n_tok), -math.inf)
-        probs = torch.softmax(s, dim=-1)
-        out[idx] = torch.matmul(probs, vv).view(c, n_heads, dim).to(q.dtype)
+        # K @ q^T and p^T @ V (transposed views): faster than q @ K^T for the few rows of a GQA group.
+        qq = (q[idx].float() * scale).view(c * n_kv, group, dim)
+        s = torch.bmm(kk.view(c * n_kv, n_tok, dim), qq.transpose(1, 2))  # [c * H_kv, n_tok, G]
+        s.view(c, n_kv, n_tok, group).masked_fill_(pad.view(c, 1, n_tok, 1), -math.inf)
+        probs = torch.softmax(s, dim=1)
+        o = torch.bmm(probs.transpose(1, 2), vv.view(c * n_kv, n_tok, dim))  # [c * H_kv, G, D]
+        out[idx] = o.view(c, n_heads, dim).to(q.dtype)
         start = stop
     return out

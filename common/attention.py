@@ -30,7 +30,9 @@ def vlkv_attention(module, query, key, value, attention_mask, scaling=None, drop
         return decode.attend(module.layer_idx, query, scaling), None
     if stats is not None:
         stats.observe(module.layer_idx, query, key, scaling)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
 
 
 def register() -> str:

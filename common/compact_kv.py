@@ -31,9 +31,11 @@ class CompactKV:
         if len(self.keys) != len(self.values) or not self.keys:
             raise ValueError("keys and values must be non-empty lists of equal length")
         ref = self.keys[0]
-        for k, v in zip(self.keys, self.values):
+        for k, v in zip(self.keys, self.values, strict=True):
             if k.shape != v.shape or k.dim() != 3:
-                raise ValueError(f"layer K {tuple(k.shape)} and V {tuple(v.shape)} must both be [H_kv, k_l, D]")
+                raise ValueError(
+                    f"layer K {tuple(k.shape)} and V {tuple(v.shape)} must both be [H_kv, k_l, D]"
+                )
             if k.shape[0] != ref.shape[0] or k.shape[2] != ref.shape[2] or k.dtype != ref.dtype:
                 raise ValueError("all layers must share H_kv, D and dtype")
             if not 0 < k.shape[1] <= self.prompt_length:

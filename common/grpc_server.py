@@ -9,7 +9,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-
 from vlkv.common.errors import VlkvError
 
 log = logging.getLogger(__name__)
@@ -31,7 +30,11 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection(
-            [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [
+                *service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
             self.server,
         )
         self.port = self.server.add_insecure_port(f"{host}:{port}")

@@ -27,8 +27,10 @@ from collections.abc import Callable
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.kv_wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError, dtype_name
+from vlkv.common.kv_wire_codec import parse_data_wire
 from vlkv.v1 import kv_pb2
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -130,11 +132,26 @@ class KVAssembler:
     # -- public API --------------------------------------------------------------------------------
     def feed(self, chunk: kv_pb2.KVChunk) -> None:
         """Consume one message; raises KVWireError (and releases the allocation) on a bad one."""
-        if self._state == "failed":
-            raise self._error or KVWireError(grpc.StatusCode.ABORTED, "transfer already failed")
-        if self._state == "done":
-            raise KVWireError(_INVALID, "message after the transfer finished")
+        self._check_open()
         try:
+            self._feed(chunk)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def feed_wire(self, raw: bytes | bytearray | memoryview) -> None:
+        """``feed`` for a serialized KVChunk: data chunks are read zero-copy (``parse_data_wire``);
+        anything else is parsed by protobuf, and bytes that do not parse are DATA_LOSS."""
+        self._check_open()
+        try:
+            fields = parse_data_wire(raw) if self._state == "streaming" else None
+            if fields is not None:
+                self._on_data(*fields)
+                return
+            try:
+                chunk = kv_pb2.KVChunk.FromString(raw)
+            except DecodeError as err:
+                raise KVWireError(_LOSS, f"unparsable KVChunk ({len(raw)} bytes): {err}") from err
             self._feed(chunk)
         except BaseException as exc:
             self._fail(exc)
@@ -167,6 +184,12 @@ class KVAssembler:
         self.abort()
 
     # -- internals ---------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state == "failed":
+            raise self._error or KVWireError(grpc.StatusCode.ABORTED, "transfer already failed")
+        if self._state == "done":
+            raise KVWireError(_INVALID, "message after the transfer finished")
+
     def _fail(self, exc: BaseException) -> None:
         self._state = "failed"
         self._error = exc if isinstance(exc, KVWireError) else None
@@ -187,7 +210,8 @@ class KVAssembler:
         elif self._state == "trailer":
             raise KVWireError(_INVALID, f"{part or 'empty chunk'} after the trailer")
         elif part == "data":
-            self._on_data(chunk.data)
+            d = chunk.data
+            self._on_data(d.layer, d.tensor, d.offset, d.data, d.crc32)  # .data copies: read once
         elif part == "trailer":
             self._on_trailer(chunk.trailer)
         else:
@@ -205,32 +229,30 @@ class KVAssembler:
         self._allocated = True
         self._state = "streaming"
 
-    def _on_data(self, d: kv_pb2.KVData) -> None:
-        n = len(d.data)
-        if zlib.crc32(d.data) != d.crc32:
-            raise KVWireError(
-                _LOSS, f"CRC mismatch in layer {d.layer} tensor {d.tensor} at offset {d.offset}"
-            )
-        if d.layer >= len(self._layer_bytes):
-            raise KVWireError(_INVALID, f"layer {d.layer} not in the header's {len(self._layer_bytes)}")
-        if d.tensor not in (kv_pb2.KV_TENSOR_KEY, kv_pb2.KV_TENSOR_VALUE):
-            raise KVWireError(_INVALID, f"unknown tensor kind {d.tensor}")
+    def _on_data(self, layer: int, tensor: int, offset: int, payload: bytes | memoryview, crc: int) -> None:
+        n = len(payload)
+        if zlib.crc32(payload) != crc:
+            raise KVWireError(_LOSS, f"CRC mismatch in layer {layer} tensor {tensor} at offset {offset}")
+        if layer >= len(self._layer_bytes):
+            raise KVWireError(_INVALID, f"layer {layer} not in the header's {len(self._layer_bytes)}")
+        if tensor not in (kv_pb2.KV_TENSOR_KEY, kv_pb2.KV_TENSOR_VALUE):
+            raise KVWireError(_INVALID, f"unknown tensor kind {tensor}")
         if n == 0:
             raise KVWireError(_INVALID, "empty data chunk")
-        size, filled = self._layer_bytes[d.layer], self._filled[d.layer][d.tensor]
-        where = f"layer {d.layer} tensor {d.tensor}"
-        if d.offset != filled:
-            kind = "overlaps" if d.offset < filled else "leaves a gap after"
-            raise KVWireError(_INVALID, f"{where}: offset {d.offset} {kind} the {filled} bytes received")
+        size, filled = self._layer_bytes[layer], self._filled[layer][tensor]
+        where = f"layer {layer} tensor {tensor}"
+        if offset != filled:
+            kind = "overlaps" if offset < filled else "leaves a gap after"
+            raise KVWireError(_INVALID, f"{where}: offset {offset} {kind} the {filled} bytes received")
         if filled + n > size:
             raise KVWireError(
                 _INVALID, f"{where}: chunk ends at {filled + n}, past the tensor's {size} bytes"
             )
-        buf = self._bufs[d.layer][d.tensor]
+        buf = self._bufs[layer][tensor]
         if buf is None:
-            buf = self._bufs[d.layer][d.tensor] = torch.empty(size, dtype=torch.uint8)
-        memoryview(buf.numpy())[filled : filled + n] = d.data
-        self._filled[d.layer][d.tensor] = filled + n
+            buf = self._bufs[layer][tensor] = torch.empty(size, dtype=torch.uint8)
+        memoryview(buf.numpy())[filled : filled + n] = payload
+        self._filled[layer][tensor] = filled + n
         self.bytes_received += n
         self.chunks_received += 1
 

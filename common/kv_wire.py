@@ -21,6 +21,7 @@ import grpc
 import torch
 from torch import nn
 from vlkv.common.compact_kv import CompactKV
+from vlkv.common.kv_wire_codec import encode_data_wire
 from vlkv.v1 import generate_pb2, kv_pb2
 
 FORMAT_VERSION = 1
@@ -145,17 +146,28 @@ def encode_layer(
     layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[kv_pb2.KVChunk]:
     """Data chunks of one layer: K's bytes then V's, each split into pieces of <= ``chunk_bytes``."""
+    for kind, off, piece in _pieces(k, v, chunk_bytes):
+        data = kv_pb2.KVData(
+            layer=layer_idx, tensor=kind, offset=off, data=bytes(piece), crc32=zlib.crc32(piece)
+        )
+        yield kv_pb2.KVChunk(data=data)
+
+
+def encode_layer_wire(
+    layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[bytes]:
+    """``encode_layer`` already serialized, copying each piece once (see ``kv_wire_codec``)."""
+    for kind, off, piece in _pieces(k, v, chunk_bytes):
+        yield encode_data_wire(layer_idx, kind, off, piece)
+
+
+def _pieces(k: torch.Tensor, v: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, int, memoryview]]:
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     for kind, t in ((kv_pb2.KV_TENSOR_KEY, k), (kv_pb2.KV_TENSOR_VALUE, v)):
         mv = tensor_bytes(t)
         for off in range(0, mv.nbytes, chunk_bytes):
-            piece = mv[off : off + chunk_bytes]
-            yield kv_pb2.KVChunk(
-                data=kv_pb2.KVData(
-                    layer=layer_idx, tensor=kind, offset=off, data=bytes(piece), crc32=zlib.crc32(piece)
-                )
-            )
+            yield kind, off, mv[off : off + chunk_bytes]
 
 
 def encode_trailer(num_chunks: int, total_bytes: int) -> kv_pb2.KVChunk:
@@ -167,15 +179,21 @@ def encode_stream(
     header: kv_pb2.KVChunk,
     layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[kv_pb2.KVChunk]:
+    *,
+    wire: bool = False,
+) -> Iterator[kv_pb2.KVChunk] | Iterator[bytes]:
     """Header, the chunks of each (K, V) pair as ``layers`` yields it, then the trailer.
+
+    ``wire=True`` yields serialized messages instead (for a bytes-level transport such as gRPC with
+    an identity serializer), which saves two copies per chunk.
 
     Each layer is checked against the header (shape ``[H_kv, k_l, D]``, dtype) before it is sent, so
     a sender bug surfaces as ValueError here rather than as a rejected stream on the decode side.
     """
     h = header.header
     dtype = DTYPES[h.dtype]
-    yield header
+    encode = encode_layer_wire if wire else encode_layer
+    yield header.SerializeToString() if wire else header
     num_chunks = total = seen = 0
     for layer_idx, (k, v) in enumerate(layers):
         if layer_idx >= h.num_layers:
@@ -186,14 +204,15 @@ def encode_stream(
                 raise ValueError(
                     f"layer {layer_idx}: {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}"
                 )
-        for chunk in encode_layer(layer_idx, k, v, chunk_bytes):
+        for chunk in encode(layer_idx, k, v, chunk_bytes):
             num_chunks += 1
-            total += len(chunk.data.data)
             yield chunk
+        total += 2 * k.numel() * k.element_size()
         seen = layer_idx + 1
     if seen != h.num_layers:
         raise ValueError(f"got {seen} layers, the header announced {h.num_layers}")
-    yield encode_trailer(num_chunks, total)
+    trailer = encode_trailer(num_chunks, total)
+    yield trailer.SerializeToString() if wire else trailer
 
 
 def encode_compact_kv(

@@ -16,7 +16,6 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     PreTrainedModel,
 )
-
 from vlkv.common.config import ModelConfig
 
 MODEL_CLASSES = {

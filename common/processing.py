@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image, UnidentifiedImageError
-
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
 from vlkv.v1 import generate_pb2
@@ -40,10 +39,12 @@ class ModalityMap:
     def from_input_ids(cls, input_ids: torch.Tensor, image_token_id: int) -> ModalityMap:
         ids = input_ids.reshape(-1)
         is_vision = (ids == image_token_id).to(torch.int8)
-        edges = torch.diff(is_vision, prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8))
+        edges = torch.diff(
+            is_vision, prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8)
+        )
         starts = (edges == 1).nonzero().flatten().tolist()
         ends = (edges == -1).nonzero().flatten().tolist()
-        return cls(m=ids.numel(), vision_spans=list(zip(starts, ends)))
+        return cls(m=ids.numel(), vision_spans=list(zip(starts, ends, strict=True)))
 
 
 @dataclass
@@ -69,7 +70,9 @@ def decode_images(blobs: list[bytes], limits: Limits) -> list[Image.Image]:
                 raise InvalidInput(f"image {i} is {img.format}; only PNG and JPEG are accepted")
             w, h = img.size
             if w * h > limits.max_image_pixels:
-                raise InvalidInput(f"image {i} is {w}x{h}, over the limit of {limits.max_image_pixels} pixels")
+                raise InvalidInput(
+                    f"image {i} is {w}x{h}, over the limit of {limits.max_image_pixels} pixels"
+                )
             img.load()
             images.append(img.convert("RGB"))
         except InvalidInput:
@@ -98,7 +101,9 @@ def render_prompt(request: generate_pb2.GenerateRequest, processor) -> str:
             messages.append({"role": msg.role, "content": parts})
         if not messages:
             raise InvalidInput("chat prompt has no messages")
-        add_gen = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+        add_gen = (
+            request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+        )
         text = processor.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False)
     else:
         raise InvalidInput("the prompt is empty: set text or chat")
@@ -115,7 +120,9 @@ def prepare_inputs(processor, images: list[Image.Image], prompt: str, image_toke
     """Run the model's processor; the prompt must hold exactly one placeholder per image."""
     placeholders = count_placeholders(prompt, processor)
     if placeholders != len(images):
-        raise InvalidInput(f"the prompt has {placeholders} image placeholders but {len(images)} images were sent")
+        raise InvalidInput(
+            f"the prompt has {placeholders} image placeholders but {len(images)} images were sent"
+        )
     try:
         batch = processor(images=images or None, text=prompt, return_tensors="pt")
     except (ValueError, TypeError) as exc:

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
 from vlkv.v1 import generate_pb2
@@ -43,7 +42,9 @@ class SamplingConfig:
         )
 
 
-def sampling_from_proto(pb: generate_pb2.SamplingParams, limits: Limits, *, default_seed: int = 0) -> SamplingConfig:
+def sampling_from_proto(
+    pb: generate_pb2.SamplingParams, limits: Limits, *, default_seed: int = 0
+) -> SamplingConfig:
     """Validate request sampling parameters; out-of-range values raise InvalidInput."""
     cfg = SamplingConfig(
         max_new_tokens=pb.max_new_tokens if pb.HasField("max_new_tokens") else limits.default_max_new_tokens,
@@ -54,7 +55,9 @@ def sampling_from_proto(pb: generate_pb2.SamplingParams, limits: Limits, *, defa
         stop=list(pb.stop),
     )
     if not 1 <= cfg.max_new_tokens <= limits.max_new_tokens:
-        raise InvalidInput(f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {cfg.max_new_tokens}")
+        raise InvalidInput(
+            f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {cfg.max_new_tokens}"
+        )
     if not (math.isfinite(cfg.temperature) and 0.0 <= cfg.temperature <= 100.0):
         raise InvalidInput(f"temperature must be in [0, 100], got {cfg.temperature}")
     if not (math.isfinite(cfg.top_p) and 0.0 < cfg.top_p <= 1.0):

@@ -52,7 +52,9 @@ class KVPool:
         self._used: set[int] = set()
 
     @classmethod
-    def from_bytes(cls, pool_bytes: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cpu"):
+    def from_bytes(
+        cls, pool_bytes: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cpu"
+    ):
         per_block = 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
         num_blocks = pool_bytes // per_block
         if num_blocks < 1:

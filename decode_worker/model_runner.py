@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from vlkv.common.attention import use_vlkv_attention
 from vlkv.common.model_loading import language_model
 from vlkv.decode_worker.kv_pool import KVPool

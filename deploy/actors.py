@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import ray
-
 from vlkv.common.config import ServerConfig
 
 

@@ -12,7 +12,6 @@ import logging
 import os
 
 import ray
-
 from vlkv.common.config import ServerConfig
 from vlkv.deploy.actors import DecodeActor, PrefillActor
 from vlkv.services.app import Running, start_gateway

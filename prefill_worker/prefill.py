@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-
 from vlkv.common.attention import use_vlkv_attention
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.compression_params import CompressionConfig
@@ -56,7 +55,9 @@ class PrefillEngine:
             )
 
     @torch.inference_mode()
-    def run(self, images, prompt: str, sampling: SamplingConfig, compression: CompressionConfig) -> PrefillResult:
+    def run(
+        self, images, prompt: str, sampling: SamplingConfig, compression: CompressionConfig
+    ) -> PrefillResult:
         start = time.perf_counter()
         inputs = prepare_inputs(self.processor, images, prompt, self.image_token_id)
         modality = inputs.modality
@@ -89,6 +90,8 @@ class PrefillEngine:
             name = "full"
         else:
             stats = collector.stats(self.num_layers) if collector is not None else None
-            ckv = policy.compress(stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first)
+            ckv = policy.compress(
+                stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first
+            )
             name = compression.policy
         return PrefillResult(ckv, modality, name, (time.perf_counter() - start) * 1000)

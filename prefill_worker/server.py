@@ -14,7 +14,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-
 from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import VlkvError
@@ -58,7 +57,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=channel_options(self.cfg.limits.max_message_bytes))
+            ch = grpc.aio.insecure_channel(
+                address, options=channel_options(self.cfg.limits.max_message_bytes)
+            )
             self._channels[address] = ch
         return worker_pb2_grpc.DecodeWorkerStub(ch)
 

@@ -8,7 +8,6 @@ kernel over the query rows ``q_start .. m-1`` and keeps only its O(rows + m) per
 from __future__ import annotations
 
 import torch
-
 from vlkv.kernels.attention_stats import attention_stats
 
 

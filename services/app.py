@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig
-
 from vlkv.common.config import ServerConfig
 from vlkv.common.grpc_server import Server
 from vlkv.common.model_loading import load_model, load_processor

@@ -102,7 +102,6 @@ def cmd_serve(args) -> int:
 
 def cmd_generate(args) -> int:
     import grpc
-
     from vlkv.services.client import build_request, connect, stream
 
     images = [Path(p).read_bytes() for p in args.image]

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
-
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
 
 

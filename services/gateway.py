@@ -17,7 +17,6 @@ import time
 import uuid
 
 import grpc
-
 from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import InvalidInput, VlkvError

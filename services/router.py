@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 
 import grpc
-
 from vlkv.common.errors import ResourceExhausted, Unavailable
 from vlkv.common.grpc_server import channel_options
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
@@ -77,7 +76,7 @@ class Router:
             raise Unavailable("no decode worker is registered")
         workers = list(self.decode.values())
         loads = await asyncio.gather(*(self._poll(w) for w in workers))
-        live = [(w, ld) for w, ld in zip(workers, loads) if ld is not None and not ld.draining]
+        live = [(w, ld) for w, ld in zip(workers, loads, strict=True) if ld is not None and not ld.draining]
         if not live:
             raise Unavailable("no decode worker is reachable")
         fitting = [

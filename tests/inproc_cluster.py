@@ -10,7 +10,6 @@ import asyncio
 import threading
 
 import grpc
-
 from vlkv.common.config import ServerConfig
 from vlkv.common.model_loading import load_model, load_processor
 from vlkv.services.app import start_decode_worker, start_gateway, start_prefill_worker

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import pytest
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 from vlkv.common.compression.registry import POLICY_NAMES
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.services.client import build_request, generate
+
+from tests.inproc_cluster import InProcCluster
+from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 
 
 @pytest.fixture(scope="module", params=["llava-gqa", "llava-mha"])
 def cluster(request, tiny_model_dirs):
-    cfg = ServerConfig(model=ModelConfig(path=tiny_model_dirs(request.param)), pool=PoolConfig(pool_bytes=4 << 20))
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs(request.param)), pool=PoolConfig(pool_bytes=4 << 20)
+    )
     c = InProcCluster(cfg)
     yield c
     c.close()
@@ -47,4 +49,3 @@ def test_budget_one_reproduces_full_cache_tokens(cluster, policy):
     )
     assert same.token_ids == full.token_ids
     assert same.finished.usage.compression_ratio == 1.0
-

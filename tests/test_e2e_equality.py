@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.services.client import build_request, generate
 
 from tests.conftest import TINY_VARIANTS
 from tests.inproc_cluster import InProcCluster
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.services.client import build_request, generate
 
 MAX_NEW = 8
 
@@ -31,7 +31,9 @@ def random_png(seed: int, size: int = 40) -> bytes:
 
 def reference_tokens(cluster: InProcCluster, images: list[bytes], question: str) -> list[int]:
     proc = cluster.processor
-    messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]}
+    ]
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = proc(images=pil, text=text, return_tensors="pt")

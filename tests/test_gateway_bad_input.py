@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.services.client import build_request, generate
 from vlkv.v1 import generate_pb2
+
+from tests.inproc_cluster import InProcCluster
+from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -17,7 +17,9 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dirs):
-    cfg = ServerConfig(model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20))
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
+    )
     c = InProcCluster(cfg)
     yield c
     c.close()
@@ -53,7 +55,11 @@ BAD = {
         INVALID,
         "placeholders",
     ),
-    "placeholder without image": (build_request(prompt="USER : <image> " + Q + " ASSISTANT :"), INVALID, "placeholders"),
+    "placeholder without image": (
+        build_request(prompt="USER : <image> " + Q + " ASSISTANT :"),
+        INVALID,
+        "placeholders",
+    ),
     "no prompt": (generate_pb2.GenerateRequest(), INVALID, "prompt is empty"),
     "blank prompt": (build_request(prompt="   "), INVALID, "prompt is empty"),
     "chat without messages": (_chat_no_messages(), INVALID, "no messages"),
@@ -70,7 +76,11 @@ BAD = {
     "threshold 0": (build_request(prompt=Q, threshold=0.0), INVALID, "threshold"),
     "unknown allocator": (build_request(prompt=Q, allocator="magic"), INVALID, "allocator"),
     "prompt over context": (build_request(prompt="red " * 1100), INVALID, "over the limit"),
-    "prompt + max_new over context": (build_request(prompt="red " * 1000, max_new_tokens=100), INVALID, "context"),
+    "prompt + max_new over context": (
+        build_request(prompt="red " * 1000, max_new_tokens=100),
+        INVALID,
+        "context",
+    ),
 }
 
 
@@ -83,6 +93,8 @@ def test_bad_input_status_and_server_keeps_serving(cluster, case):
     assert err.value.code() == code, err.value.details()
     assert needle in err.value.details()
     assert cluster.pool.num_free == free
-    good = generate(cluster.stub, build_request(images=[random_png(7)], question=Q, max_new_tokens=3), timeout=30)
+    good = generate(
+        cluster.stub, build_request(images=[random_png(7)], question=Q, max_new_tokens=3), timeout=30
+    )
     assert good.finished is not None and good.finished.usage.generated_tokens >= 1
     assert cluster.pool.num_free == free

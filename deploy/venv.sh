@@ -1,0 +1,21 @@
+# Sourced by the README's two commands: create or reuse .venv at the repo root and install vlkv into it.
+# Re-installs only when pyproject.toml changed since the last install (a stamp file records its hash).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VLKV_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.vlkv-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+  echo "installing vlkv and its dependencies into $VENV (first run takes a few minutes)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # The CPU build of torch 2.13.0 lies on this machine's disk; install it first so nothing pulls a CUDA build.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

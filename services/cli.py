@@ -181,6 +181,12 @@ def cmd_demo(args) -> int:
     return asyncio.run(_with_cluster(args, body))
 
 
+def cmd_eval(args) -> int:
+    from vlkv.services.eval_report import run_eval
+
+    return run_eval(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vlkv", description="Disaggregated VLM serving with compressed KV caches"
@@ -210,6 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="")
     p.add_argument("--budget", type=float, default=None)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("eval", help="accuracy of a policy and budget on the default model's held-out split")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--policy", default="vlcache", help=POLICY_HELP)
+    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument("-n", type=int, default=200, help="held-out examples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--table", action="store_true", help="sweep every policy over the Table-1 budgets")
+    p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
+    p.set_defaults(func=cmd_eval)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

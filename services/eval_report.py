@@ -1,0 +1,126 @@
+"""``vlkv eval``: one policy and budget, or the whole Table-1 sweep with a plot and CacheHitRate."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from vlkv.common.compression.registry import POLICY_NAMES
+from vlkv.common.config import ModelConfig
+from vlkv.common.model_loading import load_model, load_processor
+from vlkv.common.synthetic_task import make_examples
+from vlkv.services.evaluation import cache_hit_rate, evaluate, prepare
+
+TABLE_BUDGETS = (0.01, 0.05, 0.10, 0.20, 0.40, 1.0)
+HIT_RATE_POLICIES = ("vlcache", "h2o", "zipcache", "snapkv", "streamingllm", "random")
+
+
+def run_eval(args) -> int:
+    model = load_model(ModelConfig(path=args.model))
+    processor = load_processor(args.model)
+    examples = make_examples(args.n, seed=args.seed, split="heldout")
+    start = time.perf_counter()
+    prepared = prepare(model, processor, examples, progress=not args.json)
+    full = evaluate(model, processor, prepared, "full", 1.0, args.max_new_tokens)
+    if args.table:
+        return _table(args, model, processor, prepared, full, start)
+    res = evaluate(model, processor, prepared, args.policy, args.budget, args.max_new_tokens)
+    report = {
+        "policy": args.policy,
+        "budget": args.budget,
+        "examples": len(prepared),
+        "accuracy": res.accuracy,
+        "full_cache_accuracy": full.accuracy,
+        "relative_accuracy": res.accuracy / full.accuracy if full.accuracy else 0.0,
+        "realized_ratio": res.ratio,
+        "layer_budget_share": res.layer_budget_share,
+        "seconds": time.perf_counter() - start,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"policy {args.policy} at budget {args.budget:.0%} on {len(prepared)} held-out examples")
+        print(
+            f"  accuracy {res.accuracy:.3f}  (full cache {full.accuracy:.3f}, relative {report['relative_accuracy']:.3f})"
+        )
+        print(f"  realized ratio {res.ratio:.4f}")
+        print("  per-layer budget (mean k_l / m): " + " ".join(f"{s:.3f}" for s in res.layer_budget_share))
+    return 0
+
+
+def _table(args, model, processor, prepared, full, start) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for policy in POLICY_NAMES:
+        if policy == "full":
+            continue
+        rows[policy] = {}
+        for b in TABLE_BUDGETS:
+            r = evaluate(model, processor, prepared, policy, b, args.max_new_tokens)
+            rows[policy][b] = r
+            print(f"{policy:>13} {b:>5.0%}: accuracy {r.accuracy:.3f} ratio {r.ratio:.4f}", flush=True)
+    hit = {
+        p: [sum(v) / len(prepared) for v in zip(*(cache_hit_rate(x, p, 0.1) for x in prepared), strict=True)]
+        for p in HIT_RATE_POLICIES
+    }
+    md = [
+        f"# Accuracy against KV budget ({len(prepared)} held-out examples, full cache {full.accuracy:.3f})",
+        "",
+        "Command: `vlkv eval --table" + (f" -n {args.n}" if args.n else "") + "`",
+        "",
+        "| policy | " + " | ".join(f"{b:.0%}" for b in TABLE_BUDGETS) + " |",
+        "| --- |" + " --- |" * len(TABLE_BUDGETS),
+    ]
+    for policy, by_budget in rows.items():
+        md.append(f"| {policy} | " + " | ".join(f"{by_budget[b].accuracy:.3f}" for b in TABLE_BUDGETS) + " |")
+    md += ["", "Realized compression ratio (sum k_l / (L m)):", ""]
+    md.append("| policy | " + " | ".join(f"{b:.0%}" for b in TABLE_BUDGETS) + " |")
+    md.append("| --- |" + " --- |" * len(TABLE_BUDGETS))
+    for policy, by_budget in rows.items():
+        md.append(f"| {policy} | " + " | ".join(f"{by_budget[b].ratio:.4f}" for b in TABLE_BUDGETS) + " |")
+    layers = len(next(iter(hit.values())))
+    md += ["", "CacheHitRate per layer at k = 10% of m (first decoding token's true top-k):", ""]
+    md.append("| policy | " + " | ".join(f"L{i}" for i in range(layers)) + " | mean |")
+    md.append("| --- |" + " --- |" * (layers + 1))
+    for p, v in hit.items():
+        md.append(f"| {p} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {sum(v) / len(v):.3f} |")
+    vl = rows["vlcache"][0.10]
+    md += [
+        "",
+        "vlcache per-layer budget at 10% (mean k_l / m): "
+        + ", ".join(f"{s:.3f}" for s in vl.layer_budget_share),
+        "",
+        f"Wall time: {time.perf_counter() - start:.0f} s",
+    ]
+    (out / "table.md").write_text("\n".join(md) + "\n")
+    _plot(rows, full.accuracy, out / "accuracy_vs_budget.png")
+    print("\n".join(md))
+    print(f"wrote {out / 'table.md'} and {out / 'accuracy_vs_budget.png'}")
+    return 0
+
+
+def _plot(rows, full_acc: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, by_budget in rows.items():
+        ax.plot(
+            [b * 100 for b in TABLE_BUDGETS],
+            [by_budget[b].accuracy for b in TABLE_BUDGETS],
+            marker="o",
+            label=policy,
+        )
+    ax.axhline(full_acc, color="black", linestyle="--", linewidth=1, label="full cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV budget (% of prompt tokens per layer)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("vlkv default model: accuracy against KV budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

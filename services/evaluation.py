@@ -1,0 +1,191 @@
+"""Accuracy of the compression path on the default model's held-out split (``vlkv eval``).
+
+Each example is prefilled once with the real model (the vlkv attention function records every layer's
+post-RoPE Q and K on the way); each (policy, budget) then computes its own statistics from those with the
+attention-statistics kernel, compresses the cache exactly as the prefill worker does, and decodes all
+examples as one batch through the decode worker's paged pool and model runner. The answer's deciding word
+comes several tokens after the first, so it is read from decode steps over the compressed cache.
+
+It also measures CacheHitRate (paper section 3.2): per layer, the share of the true top-k tokens of the
+first decoding token's attention (over the full cache) that a scoring policy's top-k keeps.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from vlkv.common.attention import use_vlkv_attention
+from vlkv.common.compact_kv import CompactKV
+from vlkv.common.compression.registry import get_policy
+from vlkv.common.processing import prepare_inputs
+from vlkv.common.synthetic_task import Example, is_correct, prompt_text
+from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.model_runner import ModelRunner, StepInput
+from vlkv.kernels.attention_stats import attention_stats
+
+
+class _Recorder:
+    """``vlkv_stats`` observer that keeps each layer's Q ``[H, q, D]`` and K ``[H_kv, n, D]``."""
+
+    def __init__(self) -> None:
+        self.q: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.scale = 1.0
+
+    def observe(self, layer_idx, query, key, scaling) -> None:
+        self.q[layer_idx] = query[0].clone()
+        self.k[layer_idx] = key[0].clone()
+        self.scale = scaling
+
+
+@dataclass
+class Prepared:
+    """One example after its prefill: what every policy needs to compress and score it."""
+
+    example: Example
+    m: int
+    tau: int
+    first_token: int
+    q: list[torch.Tensor]  # per layer [H, m, D]
+    keys: list[torch.Tensor]  # per layer [H_kv, m, D]
+    values: list[torch.Tensor]
+    next_attention: list[torch.Tensor]  # per layer [H, m]: the first decoding token's attention
+    scale: float
+    _stats: dict = field(default_factory=dict, repr=False)
+
+    def stats(self, q0: int, threshold: float) -> list:
+        key = (q0, threshold)
+        if key not in self._stats:
+            self._stats[key] = [
+                attention_stats(q[:, q0:], k, q_start=q0, scale=self.scale, threshold=threshold)
+                for q, k in zip(self.q, self.keys, strict=True)
+            ]
+        return self._stats[key]
+
+
+@torch.inference_mode()
+def prepare(model, processor, examples: list[Example], progress: bool = True) -> list[Prepared]:
+    use_vlkv_attention(model)
+    image_token_id = int(model.config.image_token_id)
+    num_layers = int(model.config.text_config.num_hidden_layers)
+    out = []
+    for i, ex in enumerate(examples):
+        inputs = prepare_inputs(processor, ex.images, prompt_text(processor, ex), image_token_id)
+        rec = _Recorder()
+        cache = DynamicCache(config=model.config.text_config)
+        logits = model(
+            input_ids=inputs.input_ids,
+            past_key_values=cache,
+            use_cache=True,
+            vlkv_stats=rec,
+            **inputs.model_kwargs,
+        ).logits
+        first = int(logits[0, -1].argmax())
+        q = [rec.q[layer] for layer in range(num_layers)]
+        keys = [cache.layers[layer].keys[0].clone() for layer in range(num_layers)]
+        values = [cache.layers[layer].values[0].clone() for layer in range(num_layers)]
+        # one dense decode step with the first token: its attention over the m prompt tokens
+        step = _Recorder()
+        m = inputs.modality.m
+        model(
+            input_ids=torch.tensor([[first]]),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.tensor([[m]]),
+            vlkv_stats=step,
+        )
+        nxt = []
+        for layer in range(num_layers):
+            qn, kn = step.q[layer], step.k[layer]  # [H, 1, D], [H_kv, m + 1, D]
+            group = qn.shape[0] // kn.shape[0]
+            scores = torch.einsum("hd,hnd->hn", qn[:, 0].float(), kn.repeat_interleave(group, 0).float())
+            nxt.append(torch.softmax(scores * step.scale, dim=-1)[:, :m])
+        out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale))
+        if progress:
+            print(f"\rprefill {i + 1}/{len(examples)}", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return out
+
+
+def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:
+    if policy_name == "full" or budget >= 1.0:
+        return CompactKV(prep.keys, prep.values, prep.m, prep.first_token)
+    policy = get_policy(policy_name, **params)
+    stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if policy.requires_stats else None
+    return policy.compress(
+        stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau, first_token=prep.first_token
+    )
+
+
+@torch.inference_mode()
+def decode_batch(model, caches: list[CompactKV], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+    """Greedy decode of all caches together through the paged pool and the model runner."""
+    c0 = caches[0]
+    block = 16
+    need = sum(sum(-(-(n + max_new_tokens) // block) for n in c.layer_lengths) for c in caches)
+    pool = KVPool(need, block, c0.num_kv_heads, c0.head_dim, c0.dtype)
+    runner = ModelRunner(model, pool)
+    seqs = []
+    for c in caches:
+        blocks = pool.allocate(c.layer_lengths, max_new_tokens)
+        for layer, table in enumerate(blocks.tables):
+            pool.write(table, c.keys[layer], c.values[layer])
+        seqs.append(
+            {"blocks": blocks, "lengths": list(c.layer_lengths), "m": c.prompt_length, "out": [c.first_token]}
+        )
+    for step in range(max_new_tokens - 1):
+        live = [s for s in seqs if s["out"][-1] not in eos]
+        if not live:
+            break
+        inputs = [StepInput(s["out"][-1], s["m"] + step, s["blocks"].tables, s["lengths"]) for s in live]
+        logits = runner.step(inputs)
+        for s, row in zip(live, logits, strict=True):
+            s["out"].append(int(row.argmax()))
+            s["lengths"] = [n + 1 for n in s["lengths"]]
+    return [s["out"] for s in seqs]
+
+
+def cache_hit_rate(prep: Prepared, policy_name: str, k_ratio: float, threshold: float = 0.01) -> list[float]:
+    """Per layer: |policy top-k ∩ true top-k| / k, per KV head (true attention summed over its group)."""
+    policy = get_policy(policy_name)
+    stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if policy.requires_stats else None
+    k = max(1, math.ceil(k_ratio * prep.m))
+    rates = []
+    for layer, (keys, values) in enumerate(zip(prep.keys, prep.values, strict=True)):
+        scores = policy.score(layer, None if stats is None else stats[layer], keys, values, prep.m, prep.tau)
+        att = prep.next_attention[layer]
+        true = att.view(keys.shape[0], -1, prep.m).sum(1)  # [H_kv, m]
+        hit = 0.0
+        for h in range(keys.shape[0]):
+            mine = set(scores[h].float().topk(k).indices.tolist())
+            best = set(true[h].topk(k).indices.tolist())
+            hit += len(mine & best) / k
+        rates.append(hit / keys.shape[0])
+    return rates
+
+
+@dataclass
+class EvalResult:
+    policy: str
+    budget: float
+    accuracy: float
+    ratio: float
+    layer_budget_share: list[float]  # mean k_l / m per layer
+    answers: list[str] = field(repr=False, default_factory=list)
+
+
+def evaluate(model, processor, prepared: list[Prepared], policy: str, budget: float, max_new_tokens: int = 8):
+    caches = [compress(p, policy, budget) for p in prepared]
+    eos = {processor.tokenizer.eos_token_id}
+    outs = decode_batch(model, caches, max_new_tokens, eos)
+    texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+    acc = sum(is_correct(t, p.example) for t, p in zip(texts, prepared, strict=True)) / len(prepared)
+    layers = len(caches[0].keys)
+    share = [sum(c.layer_lengths[li] / c.prompt_length for c in caches) / len(caches) for li in range(layers)]
+    ratio = sum(c.compression_ratio for c in caches) / len(caches)
+    return EvalResult(policy, budget, acc, ratio, share, texts)

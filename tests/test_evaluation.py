@@ -1,0 +1,71 @@
+"""The evaluation harness decodes exactly what the served path decodes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tests.inproc_cluster import InProcCluster
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.synthetic_task import make_examples, prompt_text
+from vlkv.services.client import build_request, generate
+from vlkv.services.evaluation import cache_hit_rate, compress, decode_batch, prepare
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dirs):
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
+    )
+    cluster = InProcCluster(cfg)
+    examples = make_examples(3, seed=1, split="heldout")
+    prepared = prepare(cluster.model, cluster.processor, examples, progress=False)
+    yield cluster, examples, prepared
+    cluster.close()
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_full_cache_decode_equals_generate(setup):
+    cluster, examples, prepared = setup
+    eos = cluster.processor.tokenizer.eos_token_id
+    outs = decode_batch(cluster.model, [compress(p, "full", 1.0) for p in prepared], 6, {eos})
+    for ex, out in zip(examples, outs, strict=True):
+        inputs = cluster.processor(
+            images=ex.images, text=prompt_text(cluster.processor, ex), return_tensors="pt"
+        )
+        with torch.inference_mode():
+            ref = cluster.model.generate(**inputs, max_new_tokens=6, do_sample=False)[
+                0, inputs["input_ids"].shape[1] :
+            ]
+        assert out == ref.tolist()[: len(out)]
+
+
+@pytest.mark.parametrize("policy", ["vlcache", "snapkv", "streamingllm"])
+def test_compressed_decode_equals_served_tokens(setup, policy):
+    cluster, examples, prepared = setup
+    eos = cluster.processor.tokenizer.eos_token_id
+    outs = decode_batch(cluster.model, [compress(p, policy, 0.3) for p in prepared], 6, {eos})
+    for ex, out in zip(examples, outs, strict=True):
+        req = build_request(
+            images=[_png(i) for i in ex.images],
+            question=ex.question,
+            max_new_tokens=6,
+            policy=policy,
+            budget=0.3,
+        )
+        served = generate(cluster.stub, req, timeout=60)
+        assert served.token_ids == [t for t in out if t != eos]
+
+
+def test_cache_hit_rate_is_a_share_and_full_budget_hits_everything(setup):
+    _, _, prepared = setup
+    rates = cache_hit_rate(prepared[0], "vlcache", 0.1)
+    assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates)
+    assert cache_hit_rate(prepared[0], "h2o", 1.0) == [1.0, 1.0, 1.0]

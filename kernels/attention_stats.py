@@ -218,6 +218,9 @@ def attention_stats(
             unmasked=q.new_empty((n_heads,), dtype=torch.int64),
         )
     _check_out(out, n_heads, tq, m, q.device)
+    for name, t in (("q", q), ("k", k)):  # offsets inside one head are int32 in the kernels
+        if (t.shape[1] - 1) * t.stride(1) + (t.shape[2] - 1) * t.stride(2) >= 2**31:
+            raise ValueError(f"{name} strides {t.stride()} overflow int32 offsets within a head")
     if out.row_max.stride() != out.row_sumexp.stride():
         raise ValueError("out.row_max and out.row_sumexp must share strides")
 
@@ -253,7 +256,7 @@ def attention_stats(
         n_parts,
         parts.stride(0),
         parts.stride(1),
-        BLOCK=min(1024, triton.next_power_of_2(n_parts)),
+        BLOCK=min(1024, max(16, triton.next_power_of_2(n_parts))),
     )
     out.unmasked.fill_(unmasked_count(q_start, tq))
     return out

@@ -231,6 +231,6 @@ def paged_decode_attention(
     )  # fmt: skip
     _combine_kernel[(n_seq, n_heads)](
         m_part, l_part, acc_part, out, splits, dim, *m_strides, *a_strides, *out.stride(),
-        BLOCK_P=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        BLOCK_P=min(32, max(16, triton.next_power_of_2(splits))), BLOCK_D=block_d,
     )  # fmt: skip
     return out

@@ -190,6 +190,10 @@ def test_kernel_strided_views_and_default_tiles(kernels):
     torch.testing.assert_close(got.col_sum.cpu(), ref.col_sum, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.row_max.cpu(), ref.row_max, rtol=1e-4, atol=1e-4)
     assert (got.below.cpu() - ref.below).abs().max() <= 1
+    none = mod.attention_stats(
+        q.to(DEVICE), k.to(DEVICE), q_start=m - tau, scale=0.25, threshold=0.0, force_triton=True
+    )
+    assert none.below.cpu().tolist() == [0] * 8
 
 
 def test_cpu_dispatch_uses_reference(kernels):

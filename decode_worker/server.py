@@ -1,0 +1,205 @@
+"""The decode worker's gRPC service.
+
+A request's compact cache arrives through ``TransferKV`` (from its prefill worker) and its tokens leave
+through ``Decode`` (to the gateway); the two calls meet on the request id in either order. Pool blocks are
+reserved when the header arrives (after the fingerprint and layout checks), released on any transfer
+failure, and a cache that no ``Decode`` call claims within its lease is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from vlkv.common.config import ServerConfig
+from vlkv.common.errors import VlkvError
+from vlkv.common.grpc_server import abort_stream_on_error
+from vlkv.common.kv_assembler import KVAssembler
+from vlkv.common.kv_wire import KVWireError, model_fingerprint, model_kv_layout
+from vlkv.common.sampling import sampling_from_proto
+from vlkv.decode_worker.detokenizer import IncrementalText
+from vlkv.decode_worker.engine import DecodeEngine, Sequence
+from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.model_runner import ModelRunner
+from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, model, tokenizer, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.layout = model_kv_layout(model)
+        self.fingerprint = model_fingerprint(model)
+        _, kv_heads, head_dim, dtype = self.layout
+        self.pool = KVPool.from_bytes(
+            cfg.pool.pool_bytes, cfg.pool.block_size, kv_heads, head_dim, dtype, cfg.model.device
+        )
+        self.engine = DecodeEngine(ModelRunner(model, self.pool), self.pool, cfg.pool.max_batch)
+        self.address = ""
+        self.draining = False
+        self._arrived: dict[str, tuple[Sequence, asyncio.TimerHandle]] = {}
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._in_transfer: set[str] = set()
+
+    async def start(self) -> None:
+        self.engine.start()
+
+    async def stop(self) -> None:
+        for rid in list(self._arrived):
+            self._expire(rid)
+        await self.engine.stop()
+
+    # -- hand-off ------------------------------------------------------------------------------------
+    def _allocate(self, header: kv_pb2.KVHeader):
+        if header.request_id in self._arrived or header.request_id in self._in_transfer:
+            raise KVWireError(
+                grpc.StatusCode.ALREADY_EXISTS, f"a cache for {header.request_id!r} is already here"
+            )
+        max_new = max(1, header.sampling.max_new_tokens)
+        blocks = self.pool.allocate(list(header.layer_lengths), max_new)
+        if blocks is None:
+            need = self.pool.blocks_needed(list(header.layer_lengths), max_new)
+            raise KVWireError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"KV pool full: request needs {need} blocks, {self.pool.num_free} free",
+            )
+        return blocks
+
+    async def TransferKV(self, request_iterator, context):
+        assembler = KVAssembler(
+            self.fingerprint,
+            self.layout,
+            allocate=self._allocate,
+            release=self.pool.free,
+        )
+        rid = ""
+        try:
+            async for chunk in request_iterator:
+                assembler.feed(chunk)
+                if not rid and assembler.header is not None:
+                    rid = assembler.header.request_id
+                    self._in_transfer.add(rid)
+            header, ckv = assembler.finish()
+        except KVWireError as exc:
+            self._in_transfer.discard(rid)
+            await context.abort(exc.code, str(exc))
+        except BaseException:
+            assembler.abort()
+            self._in_transfer.discard(rid)
+            raise
+        self._in_transfer.discard(rid)
+        blocks = assembler.handle
+        for layer, table in enumerate(blocks.tables):
+            self.pool.write(table, ckv.keys[layer], ckv.values[layer])
+        try:
+            seq = self._make_sequence(header, ckv, blocks)
+        except VlkvError as exc:
+            self.pool.free(blocks)
+            await context.abort(exc.code, exc.message)
+        self._deliver(seq)
+        return worker_pb2.TransferAck(
+            bytes_received=assembler.bytes_received, blocks_allocated=blocks.num_blocks
+        )
+
+    def _make_sequence(self, header: kv_pb2.KVHeader, ckv, blocks) -> Sequence:
+        sampling = sampling_from_proto(header.sampling, self.cfg.limits)
+        usage = generate_pb2.Usage(
+            prompt_tokens=header.prompt_tokens,
+            vision_tokens=header.vision_tokens,
+            kv_bytes_kept=ckv.nbytes,
+            kv_bytes_full=ckv.full_nbytes,
+            compression_ratio=ckv.compression_ratio,
+            layer_budgets=ckv.layer_lengths,
+            policy=header.policy,
+        )
+        return Sequence(
+            request_id=header.request_id,
+            blocks=blocks,
+            lengths=list(ckv.layer_lengths),
+            prompt_length=ckv.prompt_length,
+            first_token=header.first_token_id,
+            sampling=sampling,
+            eos_token_ids=set(header.eos_token_ids),
+            usage=usage,
+            detok=IncrementalText(self.tokenizer, sampling.stop),
+        )
+
+    def _deliver(self, seq: Sequence) -> None:
+        waiter = self._waiters.get(seq.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(seq)
+            return
+        lease = asyncio.get_running_loop().call_later(
+            self.cfg.pool.cache_wait_ms / 1000, self._expire, seq.request_id
+        )
+        self._arrived[seq.request_id] = (seq, lease)
+
+    def _expire(self, request_id: str) -> None:
+        entry = self._arrived.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancel()
+            log.warning("request %s: cache not claimed within its lease; freed", request_id)
+            self.pool.free(entry[0].blocks)
+
+    # -- token stream --------------------------------------------------------------------------------
+    async def _claim(self, request_id: str, wait_ms: int) -> Sequence:
+        entry = self._arrived.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancel()
+            return entry[0]
+        if request_id in self._waiters:
+            raise VlkvError(
+                f"request {request_id!r} is already being decoded", grpc.StatusCode.ALREADY_EXISTS
+            )
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = fut
+        try:
+            return await asyncio.wait_for(fut, (wait_ms or self.cfg.pool.cache_wait_ms) / 1000)
+        except asyncio.TimeoutError:
+            raise VlkvError(
+                f"the cache of request {request_id!r} did not arrive in time",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        finally:
+            self._waiters.pop(request_id, None)
+
+    @abort_stream_on_error
+    async def Decode(self, request, context):
+        if not request.request_id:
+            raise VlkvError("request_id is required", grpc.StatusCode.INVALID_ARGUMENT)
+        seq = await self._claim(request.request_id, request.wait_ms)
+        try:
+            self.engine.submit(seq)
+            while True:
+                kind, *rest = await seq.events.get()
+                if kind == "token":
+                    ids, text = rest
+                    yield generate_pb2.GenerateResponse(
+                        request_id=seq.request_id, token=generate_pb2.TokenChunk(token_ids=ids, text=text)
+                    )
+                elif kind == "finished":
+                    yield generate_pb2.GenerateResponse(
+                        request_id=seq.request_id,
+                        finished=generate_pb2.Finished(reason=rest[0], usage=seq.usage),
+                    )
+                    return
+                else:
+                    raise rest[0]
+        finally:
+            if not seq.done:
+                self.engine.cancel(seq)
+
+    async def GetLoad(self, request, context):
+        return worker_pb2.WorkerLoad(
+            address=self.address,
+            running=self.engine.num_running,
+            waiting=self.engine.num_waiting + len(self._arrived),
+            free_blocks=self.pool.num_free,
+            total_blocks=self.pool.num_blocks,
+            block_size=self.pool.block_size,
+            draining=self.draining,
+            model_fingerprint=self.fingerprint,
+        )

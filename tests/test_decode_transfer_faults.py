@@ -1,0 +1,155 @@
+"""Corrupt and hostile KV hand-offs against a live decode worker over real gRPC.
+
+Each bad stream gets its status, the worker keeps serving, and its pool returns to its free count.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from tests.inproc_cluster import InProcCluster
+from vlkv.common.compact_kv import CompactKV
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.kv_wire import encode_compact_kv
+from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs):
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
+    )
+    c = InProcCluster(cfg)
+    c.decode_channel = grpc.insecure_channel(c.decode.address)
+    c.decode_stub = worker_pb2_grpc.DecodeWorkerStub(c.decode_channel)
+    yield c
+    c.decode_channel.close()
+    c.close()
+
+
+def _stream(cluster, rid: str, m: int = 20, fingerprint: str | None = None, chunk_bytes: int = 4096):
+    servicer = cluster.decode.servicer
+    layers, kv_heads, head_dim, dtype = servicer.layout
+    g = torch.Generator().manual_seed(0)
+    lengths = [m, max(1, m // 2), 3][:layers] + [m] * max(0, layers - 3)
+    keys = [torch.randn(kv_heads, n, head_dim, generator=g, dtype=dtype) for n in lengths]
+    values = [torch.randn(kv_heads, n, head_dim, generator=g, dtype=dtype) for n in lengths]
+    ckv = CompactKV(keys, values, prompt_length=m, first_token=5)
+    return list(
+        encode_compact_kv(
+            ckv,
+            request_id=rid,
+            fingerprint=fingerprint or servicer.fingerprint,
+            sampling=generate_pb2.SamplingParams(max_new_tokens=4, temperature=0.0, top_p=1.0, seed=1),
+            eos_token_ids=[2],
+            prompt_tokens=m,
+            policy="vlcache",
+            chunk_bytes=chunk_bytes,
+        )
+    )
+
+
+def _flip(chunks):
+    i = next(i for i, c in enumerate(chunks) if c.WhichOneof("part") == "data")
+    bad = kv_pb2.KVChunk()
+    bad.CopyFrom(chunks[i])
+    data = bytearray(bad.data.data)
+    data[len(data) // 2] ^= 0x40
+    bad.data.data = bytes(data)
+    return chunks[:i] + [bad] + chunks[i + 1 :]
+
+
+def _drop_layer(chunks):
+    return [c for c in chunks if not (c.WhichOneof("part") == "data" and c.data.layer == 1)]
+
+
+def _claim_more(chunks):
+    head = kv_pb2.KVChunk()
+    head.CopyFrom(chunks[0])
+    head.header.layer_lengths[0] += 5
+    head.header.prompt_length += 5
+    return [head] + chunks[1:]
+
+
+def _oversized(chunks):
+    head = kv_pb2.KVChunk()
+    head.CopyFrom(chunks[0])
+    head.header.layer_lengths.extend([1] * 100_000)
+    head.header.num_layers = len(head.header.layer_lengths)
+    return [head] + chunks[1:]
+
+
+def _no_header(chunks):
+    return chunks[1:]
+
+
+CASES = {
+    "truncated (no trailer)": (lambda c: c[:-1], grpc.StatusCode.DATA_LOSS),
+    "truncated mid-layer": (lambda c: c[: len(c) // 2], grpc.StatusCode.DATA_LOSS),
+    "flipped byte": (_flip, grpc.StatusCode.DATA_LOSS),
+    "missing layer": (_drop_layer, grpc.StatusCode.DATA_LOSS),
+    "header claims more bytes": (_claim_more, grpc.StatusCode.DATA_LOSS),
+    "oversized header": (_oversized, grpc.StatusCode.INVALID_ARGUMENT),
+    "no header": (_no_header, grpc.StatusCode.INVALID_ARGUMENT),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_corrupt_stream_is_refused_and_pool_returns(cluster, case):
+    mutate, code = CASES[case]
+    free = cluster.pool.num_free
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.decode_stub.TransferKV(iter(mutate(_stream(cluster, f"bad-{case}"))), timeout=30)
+    assert err.value.code() == code, err.value.details()
+    assert cluster.pool.num_free == free
+    _good_transfer_then_decode(cluster, f"good-after-{case}")
+    assert cluster.pool.num_free == free
+
+
+def test_wrong_fingerprint_refused_before_allocation(cluster):
+    free = cluster.pool.num_free
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.decode_stub.TransferKV(
+            iter(_stream(cluster, "fp", fingerprint="ffffffffffffffff")), timeout=30
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert cluster.pool.num_free == free
+
+
+def test_pool_full_is_resource_exhausted(cluster):
+    free = cluster.pool.num_free
+    m = cluster.pool.num_blocks * cluster.pool.block_size  # more tokens than the whole pool holds
+    with pytest.raises(grpc.RpcError) as err:
+        cluster.decode_stub.TransferKV(iter(_stream(cluster, "huge", m=m, chunk_bytes=1 << 20)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert cluster.pool.num_free == free
+
+
+def test_unclaimed_cache_is_freed_after_its_lease(cluster):
+    servicer = cluster.decode.servicer
+    free = cluster.pool.num_free
+    old = servicer.cfg.pool.cache_wait_ms
+    servicer.cfg.pool.cache_wait_ms = 200
+    try:
+        cluster.decode_stub.TransferKV(iter(_stream(cluster, "orphan")), timeout=30)
+        assert cluster.pool.num_free < free
+        import time
+
+        deadline = time.time() + 10
+        while cluster.pool.num_free != free and time.time() < deadline:
+            time.sleep(0.05)
+        assert cluster.pool.num_free == free
+    finally:
+        servicer.cfg.pool.cache_wait_ms = old
+
+
+def _good_transfer_then_decode(cluster, rid: str) -> None:
+    ack = cluster.decode_stub.TransferKV(iter(_stream(cluster, rid)), timeout=30)
+    assert ack.blocks_allocated > 0
+    msgs = list(
+        cluster.decode_stub.Decode(worker_pb2.DecodeRequest(request_id=rid, wait_ms=5000), timeout=30)
+    )
+    assert msgs[-1].HasField("finished")
+    assert msgs[0].token.token_ids[0] == 5  # the header's first token is streamed first

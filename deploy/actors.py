@@ -34,6 +34,11 @@ class _WorkerActor:
     async def address(self) -> str:
         return self._running.address if self._running else ""
 
+    async def drain(self) -> None:
+        """Take no new work (the gateway has already stopped routing here); finish what is running."""
+        if self._running is not None:
+            self._running.servicer.draining = True
+
     async def stop(self) -> None:
         if self._running is not None:
             await self._running.stop()

@@ -1,8 +1,8 @@
-"""A one-machine vlkv cluster: Ray places the prefill and decode workers as actors, the gateway runs here.
+"""A vlkv cluster: Ray places prefill and decode workers as actors; the gateway and autoscaler run here.
 
-``LocalCluster`` starts (or joins) Ray, launches ``num_prefill`` prefill and ``num_decode`` decode actors,
-waits until each reports its gRPC address, and serves the public API from this process. ``stop`` drains the
-gateway, stops the workers gracefully and kills their actors.
+``LocalCluster`` starts (or joins) Ray, launches each pool's ``min_replicas`` actors, serves the public
+API (and the Admin status API) from this process, and runs the autoscaler, which grows and drains the
+pools between their bounds. ``stop`` stops the gateway, then every worker, gracefully.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import ray
 from vlkv.common.config import ServerConfig
 from vlkv.deploy.actors import DecodeActor, PrefillActor
+from vlkv.deploy.autoscaler import Autoscaler, PoolSpec, Replica
 from vlkv.services.app import Running, start_gateway
 
 log = logging.getLogger(__name__)
@@ -35,60 +36,95 @@ class LocalCluster:
         self,
         cfg: ServerConfig,
         *,
-        num_prefill: int = 1,
-        num_decode: int = 1,
+        prefill: PoolSpec | None = None,
+        decode: PoolSpec | None = None,
         gateway_port: int = 0,
-        worker_cpus: float = 1.0,
+        metrics_port: int | None = None,
         ray_address: str | None = None,
+        interval_s: float = 1.0,
+        downscale_delay_s: float = 10.0,
     ) -> None:
-        if num_prefill < 1 or num_decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode worker")
         self.cfg = cfg
-        self.num_prefill = num_prefill
-        self.num_decode = num_decode
+        self.specs = {"prefill": prefill or PoolSpec(), "decode": decode or PoolSpec()}
         self.gateway_port = gateway_port
-        self.worker_cpus = worker_cpus
+        self.metrics_port = metrics_port
         self.ray_address = ray_address
-        self.actors: list = []
-        self.prefill_addresses: list[str] = []
-        self.decode_addresses: list[str] = []
+        self.interval_s = interval_s
+        self.downscale_delay_s = downscale_delay_s
         self.gateway: Running | None = None
+        self.autoscaler: Autoscaler | None = None
+        self._metrics_http = None
+
+    async def _start_actor(self, kind: str) -> Replica:
+        spec = self.specs[kind]
+        cls = PrefillActor if kind == "prefill" else DecodeActor
+        actor = cls.options(num_cpus=spec.cpus, num_gpus=spec.gpus).remote()
+        try:
+            address = await actor.start.remote(self.cfg)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        return Replica(kind, actor, address, state="serving")
 
     async def start(self) -> str:
         init_ray(self.ray_address)
-        opts = {"num_cpus": self.worker_cpus}
-        prefill = [PrefillActor.options(**opts).remote() for _ in range(self.num_prefill)]
-        decode = [DecodeActor.options(**opts).remote() for _ in range(self.num_decode)]
-        self.actors = prefill + decode
-        try:
-            self.prefill_addresses = list(await asyncio.gather(*(a.start.remote(self.cfg) for a in prefill)))
-            self.decode_addresses = list(await asyncio.gather(*(a.start.remote(self.cfg) for a in decode)))
-            self.gateway = await start_gateway(
-                self.cfg, self.prefill_addresses, self.decode_addresses, port=self.gateway_port
-            )
-        except BaseException:
-            await self.stop()
-            raise
-        log.info(
-            "vlkv gateway on %s; prefill %s; decode %s",
-            self.address,
-            self.prefill_addresses,
-            self.decode_addresses,
+        first = await asyncio.gather(
+            *(self._start_actor(k) for k, spec in self.specs.items() for _ in range(spec.min_replicas)),
+            return_exceptions=True,
         )
+        started = [r for r in first if isinstance(r, Replica)]
+        failed = [r for r in first if isinstance(r, BaseException)]
+        if failed:
+            for r in started:
+                ray.kill(r.actor)
+            raise failed[0]
+        self.gateway = await start_gateway(
+            self.cfg,
+            [r.address for r in started if r.kind == "prefill"],
+            [r.address for r in started if r.kind == "decode"],
+            port=self.gateway_port,
+        )
+        gw = self.gateway.servicer
+        self.autoscaler = Autoscaler(
+            gw.router,
+            self._start_actor,
+            self.specs,
+            self.interval_s,
+            self.downscale_delay_s,
+            replicas=started,
+        )
+        self.gateway.attach_admin(self.autoscaler)
+        self.autoscaler.start()
+        if self.metrics_port is not None:
+            from vlkv.services.metrics import serve_metrics
+
+            self._metrics_http = serve_metrics(gw.metrics, self.metrics_port, self.cfg.host)
+        log.info("vlkv gateway on %s", self.address)
         return self.address
 
     @property
     def address(self) -> str:
         return self.gateway.address if self.gateway else ""
 
+    def replica_count(self, kind: str) -> int:
+        return len([r for r in self.autoscaler.replicas if r.kind == kind and r.state == "serving"])
+
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         if self.gateway is not None:
             await self.gateway.stop()
             self.gateway = None
-        for actor in self.actors:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http = None
+        replicas = self.autoscaler.replicas if self.autoscaler else []
+        for r in replicas:
+            if r.actor is None or r.state == "gone":
+                continue
             try:
-                await asyncio.wait_for(actor.stop.remote(), timeout=self.cfg.grace_s + 10)
+                await asyncio.wait_for(r.actor.stop.remote(), timeout=self.cfg.grace_s + 10)
             except Exception as exc:  # a dead actor has nothing left to stop
-                log.warning("stopping actor failed: %s", exc)
-            ray.kill(actor)
-        self.actors = []
+                log.warning("stopping %s worker %s failed: %s", r.kind, r.address, exc)
+            ray.kill(r.actor)
+            r.state = "gone"

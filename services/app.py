@@ -17,9 +17,10 @@ from vlkv.common.grpc_server import Server
 from vlkv.common.model_loading import load_model, load_processor
 from vlkv.decode_worker.server import DecodeServicer
 from vlkv.prefill_worker.server import PrefillServicer
+from vlkv.services.admin import AdminServicer
 from vlkv.services.gateway import GatewayServicer
 from vlkv.services.router import Router
-from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,15 @@ class Running:
     server: Server
     servicer: object
     grace_s: float
+    admin: object = None
 
     @property
     def address(self) -> str:
         return self.server.address
+
+    def attach_admin(self, autoscaler) -> None:
+        """Let the gateway's Admin service report the autoscaler's replicas and events."""
+        self.admin.autoscaler = autoscaler
 
     async def stop(self) -> None:
         if hasattr(self.servicer, "draining"):
@@ -90,8 +96,11 @@ async def start_gateway(
     for a in decode:
         router.add_decode(a)
     servicer = GatewayServicer(processor, model_config, cfg, router)
-    server = Server(cfg.host, port, [_service_name(generate_pb2, "Generation")], cfg.limits.max_message_bytes)
+    names = [_service_name(generate_pb2, "Generation"), _service_name(admin_pb2, "Admin")]
+    server = Server(cfg.host, port, names, cfg.limits.max_message_bytes)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
+    admin = AdminServicer(servicer)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin, server.server)
     await server.start()
     log.info("gateway serving on %s", server.address)
-    return Running(server, servicer, cfg.grace_s)
+    return Running(server, servicer, cfg.grace_s, admin)

@@ -30,8 +30,15 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (the pool's minimum)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (the pool's minimum)")
+    p.add_argument("--prefill-max", type=int, default=None, help="autoscale prefill workers up to this many")
+    p.add_argument("--decode-max", type=int, default=None, help="autoscale decode workers up to this many")
+    p.add_argument("--prefill-target", type=float, default=2.0, help="ongoing+queued prefills per replica")
+    p.add_argument("--decode-target", type=float, default=0.8, help="KV pool occupancy per decode replica")
+    p.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs each worker asks Ray for")
+    p.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs each worker asks Ray for")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--pool-mb", type=float, default=256, help="KV pool size of each decode worker (MiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one decode step")
@@ -69,13 +76,18 @@ def _request_kwargs(args) -> dict:
 
 
 async def _with_cluster(args, body) -> int:
+    from vlkv.deploy.autoscaler import PoolSpec
     from vlkv.deploy.local import LocalCluster
+
+    def spec(n, n_max, target):
+        return PoolSpec(n, max(n, n_max or n), target, cpus=args.worker_cpus, gpus=args.worker_gpus)
 
     cluster = LocalCluster(
         _server_config(args),
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        prefill=spec(args.prefill, args.prefill_max, args.prefill_target),
+        decode=spec(args.decode, args.decode_max, args.decode_target),
         gateway_port=getattr(args, "port", 0),
+        metrics_port=args.metrics_port,
         ray_address=args.ray_address,
     )
     print("starting vlkv: Ray, prefill and decode workers, gateway ...", flush=True)
@@ -181,6 +193,36 @@ def cmd_demo(args) -> int:
     return asyncio.run(_with_cluster(args, body))
 
 
+def cmd_status(args) -> int:
+    import time
+
+    import grpc
+    from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(f"requests in flight: {st.requests_in_flight}   served since start: {st.requests_total}")
+    print(
+        f"{'kind':8} {'address':22} {'state':12} {'in-flight':>9} {'running':>8} {'waiting':>8} {'KV pool':>16}"
+    )
+    for w in st.workers:
+        pool = ""
+        if w.kind == "decode" and w.total_blocks:
+            used = w.total_blocks - w.free_blocks
+            pool = f"{used}/{w.total_blocks} ({used / w.total_blocks:.0%})"
+        print(
+            f"{w.kind:8} {w.address:22} {w.state:12} {w.in_flight:>9} {w.running:>8} {w.waiting:>8} {pool:>16}"
+        )
+    for e in st.events[-args.events :]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(e.unix_time))
+        print(f"{stamp} {e.kind} {e.action}: {e.replicas} serving ({e.reason})")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from vlkv.services.eval_report import run_eval
 
@@ -216,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="")
     p.add_argument("--budget", type=float, default=None)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("status", help="workers, their load, KV pool occupancy and requests in flight")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--events", type=int, default=20, help="scaling events to show")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("eval", help="accuracy of a policy and budget on the default model's held-out split")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))

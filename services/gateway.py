@@ -23,6 +23,7 @@ from vlkv.common.errors import InvalidInput, VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.processing import decode_images, prepare_inputs, render_prompt
 from vlkv.common.sampling import sampling_from_proto
+from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.router import Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
@@ -39,6 +40,8 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         self.num_layers = int(model_config.text_config.num_hidden_layers)
         self.context = int(model_config.text_config.max_position_embeddings)
         self.in_flight = 0
+        self.requests_total = 0
+        self.metrics = GatewayMetrics()
 
     def _validate(self, request: generate_pb2.GenerateRequest):
         if len(request.request_id) > MAX_REQUEST_ID:
@@ -58,14 +61,56 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             )
         return prompt, sampling, compression, m
 
+    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillReply:
+        """Run the prefill; a worker that is gone (UNAVAILABLE) gets one retry on another worker."""
+        tried: set[str] = set()
+        while True:
+            worker = self.router.pick_prefill(exclude=tried)
+            tried.add(worker.address)
+            worker.in_flight += 1
+            try:
+                return await worker.stub.Prefill(request, timeout=self.cfg.transfer.deadline_s * 2)
+            except grpc.aio.AioRpcError as exc:
+                retry = (
+                    exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) < 2 and not _hand_off_error(exc)
+                )
+                if not retry or not any(a not in tried for a in self.router.prefill):
+                    raise
+                log.warning(
+                    "request %s: prefill worker %s failed (%s); retrying once",
+                    request.request_id,
+                    worker.address,
+                    exc.details(),
+                )
+            finally:
+                worker.in_flight -= 1
+
     @abort_stream_on_error
     async def Generate(self, request, context):
         start = time.perf_counter()
+        self.requests_total += 1
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        status = "OK"
+        try:
+            async for resp in self._generate(request, start):
+                yield resp
+        except VlkvError as exc:
+            status = exc.code.name
+            raise
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(status).inc()
+
+    async def _generate(self, request, start: float):
         prompt, sampling, compression, m = self._validate(request)
         rid = request.request_id or uuid.uuid4().hex
         kept = m if compression.is_full else min(m, math.ceil(compression.budget * m))
         decode = await self.router.pick_decode([kept] * self.num_layers, sampling.max_new_tokens)
-        prefill = self.router.pick_prefill()
         prefill_req = worker_pb2.PrefillRequest(
             request_id=rid,
             images=list(request.images),
@@ -76,24 +121,31 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         )
         deadline = self.cfg.transfer.deadline_s
         decode_call = decode.stub.Decode(
-            worker_pb2.DecodeRequest(request_id=rid, wait_ms=int(deadline * 2000)),
+            worker_pb2.DecodeRequest(request_id=rid, wait_ms=int(deadline * 3000))
         )
-        prefill.in_flight += 1
         decode.in_flight += 1
-        self.in_flight += 1
-        prefill_task = asyncio.ensure_future(prefill.stub.Prefill(prefill_req, timeout=deadline * 2))
+        prefill_task = asyncio.ensure_future(self._prefill(prefill_req))
         prefill_task.add_done_callback(
             lambda t: t.cancelled() or t.exception() is None or decode_call.cancel()
         )
-        first = True
+        last = None
         try:
             async for resp in decode_call:
                 resp.request_id = rid
-                if first:
-                    ttft_ms = (time.perf_counter() - start) * 1000
-                    first = False
-                if resp.HasField("finished"):
-                    resp.finished.usage.ttft_ms = ttft_ms
+                now = time.perf_counter()
+                if last is None:
+                    ttft_ms = (now - start) * 1000
+                    self.metrics.ttft.observe(now - start)
+                elif resp.HasField("token"):
+                    self.metrics.itl.observe(now - last)
+                last = now
+                if resp.HasField("token"):
+                    self.metrics.tokens.inc(len(resp.token.token_ids))
+                else:
+                    usage = resp.finished.usage
+                    usage.ttft_ms = ttft_ms
+                    self.metrics.compression.observe(usage.compression_ratio)
+                    self.metrics.kv_bytes.inc(usage.kv_bytes_kept)
                 yield resp
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             failure = _prefill_failure(prefill_task)
@@ -102,12 +154,10 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise VlkvError(
-                f"decode worker {decode.address}: {exc.details()}", _public_code(exc.code())
+                f"decode worker {decode.address} failed: {exc.details()}", _public_code(exc.code())
             ) from None
         finally:
-            prefill.in_flight -= 1
             decode.in_flight -= 1
-            self.in_flight -= 1
             decode_call.cancel()
             if not prefill_task.done():
                 prefill_task.cancel()
@@ -118,6 +168,11 @@ def _public_code(code: grpc.StatusCode) -> grpc.StatusCode:
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
         return grpc.StatusCode.UNAVAILABLE
     return code
+
+
+def _hand_off_error(exc: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE raised by a live prefill worker about its decode peer: retrying prefill will not help."""
+    return "KV hand-off" in (exc.details() or "")
 
 
 def _prefill_failure(task: asyncio.Future) -> VlkvError | None:

@@ -26,7 +26,9 @@ class Worker:
     address: str
     channel: grpc.aio.Channel
     stub: object
-    in_flight: int = 0
+    in_flight: int = 0  # requests the gateway has on this worker now
+    draining: bool = False  # takes no new requests; removed once in_flight reaches 0
+    reachable: bool = True
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
 
 
@@ -57,18 +59,32 @@ class Router:
         for address in list(self.prefill) + list(self.decode):
             await self.remove(address)
 
-    def pick_prefill(self) -> Worker:
-        if not self.prefill:
-            raise Unavailable("no prefill worker is registered")
-        return min(self.prefill.values(), key=lambda w: w.in_flight)
+    def set_draining(self, address: str) -> None:
+        for pool in (self.prefill, self.decode):
+            if address in pool:
+                pool[address].draining = True
+
+    def pick_prefill(self, exclude: set[str] = frozenset()) -> Worker:
+        """The serving prefill worker with the fewest requests in flight from this gateway."""
+        live = [w for w in self.prefill.values() if not w.draining and w.address not in exclude]
+        if not live:
+            raise Unavailable("no prefill worker is available")
+        return min(live, key=lambda w: (not w.reachable, w.in_flight))
 
     async def _poll(self, w: Worker) -> worker_pb2.WorkerLoad | None:
         try:
             w.load = await w.stub.GetLoad(worker_pb2.LoadRequest(), timeout=LOAD_TIMEOUT_S)
+            w.reachable = True
             return w.load
         except grpc.aio.AioRpcError as exc:
-            log.warning("decode worker %s did not answer GetLoad: %s", w.address, exc.code().name)
+            log.warning("worker %s did not answer GetLoad: %s", w.address, exc.code().name)
+            w.reachable = False
             return None
+
+    async def poll_all(self) -> None:
+        """Refresh every worker's load (used by the autoscaler and `vlkv status`)."""
+        workers = list(self.prefill.values()) + list(self.decode.values())
+        await asyncio.gather(*(self._poll(w) for w in workers))
 
     async def pick_decode(self, layer_tokens: list[int], max_new_tokens: int) -> Worker:
         """The decode worker with the most free blocks that can hold ``layer_tokens`` + max_new_tokens."""
@@ -76,7 +92,11 @@ class Router:
             raise Unavailable("no decode worker is registered")
         workers = list(self.decode.values())
         loads = await asyncio.gather(*(self._poll(w) for w in workers))
-        live = [(w, ld) for w, ld in zip(workers, loads, strict=True) if ld is not None and not ld.draining]
+        live = [
+            (w, ld)
+            for w, ld in zip(workers, loads, strict=True)
+            if ld is not None and not ld.draining and not w.draining
+        ]
         if not live:
             raise Unavailable("no decode worker is reachable")
         fitting = [

@@ -9,6 +9,7 @@ import threading
 import pytest
 import ray
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.local import LocalCluster, init_ray
 from vlkv.services.client import build_request, connect, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
@@ -22,7 +23,7 @@ def cluster(tiny_model_dirs):
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
     )
     init_ray(num_cpus=2)
-    c = LocalCluster(cfg, num_prefill=1, num_decode=1, worker_cpus=0.5)
+    c = LocalCluster(cfg, prefill=PoolSpec(cpus=0.5), decode=PoolSpec(cpus=0.5))
     loop = asyncio.new_event_loop()  # the gateway serves from this loop, on a background thread
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -64,9 +65,10 @@ def test_workers_are_separate_processes_and_pools_return(cluster):
     c, loop = cluster
     import grpc
 
-    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in c.actors])
+    pids = ray.get([r.actor.__ray_call__.remote(lambda self: os.getpid()) for r in c.autoscaler.replicas])
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    with grpc.insecure_channel(c.decode_addresses[0]) as ch:
+    decode = [r.address for r in c.autoscaler.replicas if r.kind == "decode"]
+    with grpc.insecure_channel(decode[0]) as ch:
         load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
     assert load.free_blocks == load.total_blocks > 0
     assert load.running == 0

@@ -1,0 +1,46 @@
+"""The gateway's Admin service: workers, their load and pool occupancy, requests in flight, scaling log."""
+
+from __future__ import annotations
+
+from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, gateway, autoscaler=None) -> None:
+        self.gateway = gateway
+        self.autoscaler = autoscaler
+
+    async def GetStatus(self, request, context):
+        router = self.gateway.router
+        await router.poll_all()
+        out = admin_pb2.ClusterStatus(
+            requests_in_flight=self.gateway.in_flight, requests_total=self.gateway.requests_total
+        )
+        m = self.gateway.metrics
+        for kind, pool in (("prefill", router.prefill), ("decode", router.decode)):
+            m.replicas.labels(kind).set(len([w for w in pool.values() if not w.draining]))
+            for w in pool.values():
+                state = "unreachable" if not w.reachable else "draining" if w.draining else "serving"
+                out.workers.append(
+                    admin_pb2.WorkerStatus(
+                        kind=kind,
+                        address=w.address,
+                        state=state,
+                        running=w.load.running,
+                        waiting=w.load.waiting,
+                        free_blocks=w.load.free_blocks,
+                        total_blocks=w.load.total_blocks,
+                        in_flight=w.in_flight,
+                    )
+                )
+                m.worker_running.labels(kind, w.address).set(w.load.running)
+                m.worker_waiting.labels(kind, w.address).set(w.load.waiting)
+                if kind == "decode" and w.load.total_blocks:
+                    m.pool_occupancy.labels(w.address).set(1 - w.load.free_blocks / w.load.total_blocks)
+        for e in self.autoscaler.events if self.autoscaler else []:
+            out.events.append(
+                admin_pb2.ScalingEvent(
+                    unix_time=e.unix_time, kind=e.kind, action=e.action, replicas=e.replicas, reason=e.reason
+                )
+            )
+        return out

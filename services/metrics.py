@@ -1,0 +1,48 @@
+"""Prometheus metrics of the gateway (the figures that drive scaling, and request outcomes).
+
+Each gateway owns its own registry (so several can live in one test process); ``serve_metrics`` exposes
+it over HTTP in the Prometheus text format.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("vlkv_requests", "Generate calls by final status", ["status"], registry=r)
+        self.in_flight = Gauge("vlkv_requests_in_flight", "Generate calls in progress", registry=r)
+        self.ttft = Histogram("vlkv_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "vlkv_inter_token_seconds", "time between streamed tokens", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = Counter("vlkv_generated_tokens", "tokens streamed to clients", registry=r)
+        self.compression = Histogram(
+            "vlkv_compression_ratio",
+            "realized KV compression ratio per request",
+            buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0),
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "vlkv_kv_bytes_handed_over", "compact KV bytes sent prefill -> decode", registry=r
+        )
+        labels = ["kind", "address"]
+        self.worker_running = Gauge("vlkv_worker_running", "requests running on a worker", labels, registry=r)
+        self.worker_waiting = Gauge("vlkv_worker_waiting", "requests queued on a worker", labels, registry=r)
+        self.pool_occupancy = Gauge(
+            "vlkv_decode_pool_occupancy",
+            "share of a decode worker's KV blocks in use",
+            ["address"],
+            registry=r,
+        )
+        self.replicas = Gauge("vlkv_replicas", "workers serving, by kind", ["kind"], registry=r)
+
+
+def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):
+    """Start the /metrics HTTP endpoint in a background thread; returns the HTTP server."""
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return server

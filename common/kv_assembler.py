@@ -10,8 +10,9 @@ Status codes (``KVWireError.code``):
 - INVALID_ARGUMENT: protocol violations - first message not a header, a second header, an empty
   chunk, anything after the trailer, an insane/oversized header, unknown layer or tensor, an empty
   data chunk, an offset that leaves a gap, overlaps or runs past the tensor's end.
-- DATA_LOSS: corruption or loss - CRC mismatch, trailer totals that disagree with what arrived,
-  bytes missing at the trailer, a stream that ends (``finish()``) before its trailer.
+- DATA_LOSS: corruption or loss - CRC mismatch, bytes that do not parse as a KVChunk
+  (``feed_wire``), trailer totals that disagree with what arrived, bytes missing at the trailer, a
+  stream that ends (``finish()``) before its trailer.
 - FAILED_PRECONDITION: a sane header whose fingerprint, layout or dtype is not this worker's model.
 - CANCELLED: ``abort()`` by the caller (stored so later calls re-raise it).
 

@@ -9,6 +9,7 @@ import zlib
 import grpc
 import pytest
 import torch
+from vlkv.common import kv_wire_codec
 from vlkv.common.kv_wire import (
     KVWireError,
     encode_header,
@@ -16,6 +17,7 @@ from vlkv.common.kv_wire import (
     model_fingerprint,
     model_kv_layout,
 )
+from vlkv.common.kv_wire_codec import parse_data_wire
 from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
 from vlkv.v1 import kv_pb2
 
@@ -75,13 +77,46 @@ def test_chunks_split_layers_unevenly():
     assert all(zlib.crc32(d.data) == d.crc32 for d in data)
 
 
-# --- corruption -> status code, pool balanced ---------------------------------------------------
 @pytest.fixture
 def case():
     ckv = make_ckv(torch.float16, [2, 3, 4], m=4)
     return FakePool(), ckv, encode(ckv, 20)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wire_encoding_is_protobufs_and_feed_wire_round_trips(dtype):
+    ckv = make_ckv(dtype, [1, 4, 9], m=9)
+    header = encode(ckv)[0]
+    layers = list(zip(ckv.keys, ckv.values, strict=True))
+    msgs = list(encode_stream(header, layers, 50))
+    wire = list(encode_stream(header, layers, 50, wire=True))
+    assert wire == [m.SerializeToString() for m in msgs]
+    assert all(parse_data_wire(w) is not None for w, m in zip(wire, msgs, strict=True) if m.HasField("data"))
+    pool = FakePool()
+    asm = pool.assembler(ckv)
+    for w in wire:
+        asm.feed_wire(w)
+    _, out = asm.finish()
+    assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
+
+
+def test_wire_zero_crc_is_omitted_like_protobuf(monkeypatch):
+    monkeypatch.setattr(kv_wire_codec, "zlib", types.SimpleNamespace(crc32=lambda _: 0))
+    raw = kv_wire_codec.encode_data_wire(0, 0, 0, memoryview(b"abc"))
+    assert raw == kv_pb2.KVChunk(data=kv_pb2.KVData(data=b"abc")).SerializeToString()
+    assert parse_data_wire(raw)[4] == 0 and bytes(parse_data_wire(raw)[3]) == b"abc"
+
+
+def test_unparsable_bytes_are_data_loss(case):
+    pool, ckv, chunks = case
+    asm = pool.assembler(ckv)
+    asm.feed_wire(chunks[0].SerializeToString())
+    with pytest.raises(KVWireError) as exc:
+        asm.feed_wire(chunks[1].SerializeToString()[:-3])
+    assert exc.value.code == DL and (pool.allocs, pool.releases) == (1, 1)
+
+
+# --- corruption -> status code, pool balanced ---------------------------------------------------
 def test_truncated_stream(case):
     pool, ckv, chunks = case
     expect(DL, pool, ckv, chunks[:-1])  # no trailer

@@ -1,6 +1,7 @@
-"""Property-based fuzz of KVAssembler: mutated and random chunk sequences only ever raise KVWireError,
-finish quickly, and leave the fake pool balanced (every allocation released unless the transfer
-succeeded, never released twice)."""
+"""Property-based fuzz of KVAssembler: mutated and random chunk sequences (as messages, or as serialized
+bytes with byte-level damage through ``feed_wire``) only ever raise KVWireError, finish quickly, and
+leave the fake pool balanced (every allocation released unless the transfer succeeded, never twice).
+The zero-copy wire parser must agree with protobuf on every message it accepts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from vlkv.common.kv_wire import KVWireError
+from vlkv.common.kv_wire_codec import parse_data_wire
 from vlkv.v1 import kv_pb2
 
 from tests.kv_wire_helpers import FakePool, bits_equal, encode, make_ckv
@@ -88,7 +90,23 @@ def streams(draw):
     mutated = [kv_pb2.KVChunk.FromString(c.SerializeToString()) for c in chunks]
     for op in ops:
         _mutate(mutated, op, draw)
-    return ckv, chunks, mutated
+    if not draw(st.booleans()):
+        return ckv, chunks, mutated
+    raw = [c.SerializeToString() for c in mutated]  # feed_wire path, with byte-level damage
+    for _ in range(draw(st.integers(0, 2))):
+        if raw:
+            raw[draw(st.integers(0, len(raw) - 1))] = draw(_damaged(raw[draw(st.integers(0, len(raw) - 1))]))
+    return ckv, [c.SerializeToString() for c in chunks], raw
+
+
+def _damaged(blob: bytes) -> st.SearchStrategy[bytes]:
+    """``blob`` with a byte flipped, cut short, or extended."""
+    if not blob:
+        return st.binary(max_size=8)
+    flip = st.tuples(st.integers(0, len(blob) - 1), st.integers(1, 255)).map(
+        lambda t: blob[: t[0]] + bytes([blob[t[0]] ^ t[1]]) + blob[t[0] + 1 :]
+    )
+    return flip | st.integers(0, len(blob)).map(lambda n: blob[:n]) | st.binary(max_size=8).map(blob.__add__)
 
 
 @pytest.mark.timeout(180)
@@ -102,7 +120,7 @@ def test_assembler_survives_arbitrary_streams(case):
     ok, outcome = False, "ok"
     try:
         for c in chunks:
-            asm.feed(c)
+            asm.feed_wire(c) if isinstance(c, bytes) else asm.feed(c)
         header, out = asm.finish()
         ok = True
     except KVWireError as err:
@@ -118,3 +136,32 @@ def test_assembler_survives_arbitrary_streams(case):
         assert all(k.dtype == ckv.dtype and k.shape[0] == ckv.num_kv_heads for k in out.keys)
     if chunks == original:
         assert ok and all(bits_equal(a, b) for a, b in zip(out.keys, ckv.keys, strict=True))
+
+
+# Every message kind (header, data at offset 0 and later, both tensors, layer > 0, trailer) of a few caches.
+WIRE_SAMPLES = [
+    c.SerializeToString()
+    for i, dtype in enumerate(DTYPES)
+    for c in encode(make_ckv(dtype, [1, 3], seed=i), chunk_bytes=(3, 64, 1 << 20)[i])
+]
+
+
+@st.composite
+def wire_messages(draw) -> bytes:
+    blob = draw(st.sampled_from(WIRE_SAMPLES))
+    for _ in range(draw(st.integers(0, 3))):
+        blob = draw(_damaged(blob))
+    return blob
+
+
+@settings(max_examples=1000, deadline=None)
+@given(wire_messages())
+def test_wire_parser_agrees_with_protobuf(blob):
+    fields = parse_data_wire(blob)
+    event("fast path" if fields is not None else "protobuf fallback")
+    if fields is None:
+        return
+    chunk = kv_pb2.KVChunk.FromString(blob)  # whatever the fast path accepts, protobuf must parse
+    assert chunk.WhichOneof("part") == "data"
+    d = chunk.data
+    assert (d.layer, d.tensor, d.offset, d.data, d.crc32) == (*fields[:3], bytes(fields[3]), fields[4])

@@ -1,0 +1,262 @@
+"""Benchmark of the compact-KV hand-off: bytes on the wire and gRPC vs plain-TCP loopback throughput.
+
+A 2K-token prompt on a 7B-shaped layout (32 layers, 8 KV heads, head dim 128, fp16) at budgets 10%
+and 100%. Receivers run in a separate process. Three transfers of the same cache, interleaved in
+every repeat so they see the same machine load (ratios are medians of per-repeat ratios):
+
+- gRPC: a real ``grpc.aio`` server with a client-streaming handler feeding a ``KVAssembler`` (CRC check,
+  copy into layer buffers); the client encodes lazily from the tensors (CRC, framing), as a prefill
+  worker does.
+- TCP: a plain socket sending the already-serialized chunk bytes, drained into a buffer: the ceiling.
+- TCP+fmt (diagnostic): the same socket, but the sender encodes lazily and the receiver runs the same
+  ``KVAssembler`` on length-prefixed messages - what the wire format costs without gRPC.
+
+    python -m vlkv.common.bench_kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from vlkv.common.compact_kv import CompactKV
+from vlkv.common.kv_assembler import KVAssembler
+from vlkv.common.kv_wire import encode_compact_kv, encode_stream
+from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler, tune_malloc
+
+LAYOUT = (32, 8, 128, torch.float16)  # L, H_kv, D, dtype
+PROMPT = 2048
+FINGERPRINT = "bench-7b-shape"
+GRPC_FRAMING = 5  # gRPC's length prefix per message (HTTP/2 frame headers not counted)
+KINDS = ("grpc", "tcp", "tcp_fmt")
+
+
+def make_cache(budget: float, seed: int = 0) -> CompactKV:
+    """Per-layer budgets falling linearly from 1.5x to 0.5x of ``budget`` (capped at the prompt)."""
+    layers, heads, dim, dtype = LAYOUT
+    scale = [1.5 - i / (layers - 1) for i in range(layers)] if budget < 1 else [1.0] * layers
+    lengths = [min(PROMPT, math.ceil(budget * s * PROMPT)) for s in scale]
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(heads, k, dim, generator=g).to(dtype) for k in lengths]
+    values = [torch.randn(heads, k, dim, generator=g).to(dtype) for k in lengths]
+    return CompactKV(keys, values, prompt_length=PROMPT, first_token=1)
+
+
+def _grpc_server(chunk_bytes: int, port_q: mp.Queue, stop: mp.Event) -> None:
+    tune_malloc()
+
+    async def main() -> None:
+        server = grpc.aio.server(options=grpc_message_options(chunk_bytes))
+        server.add_generic_rpc_handlers([kv_receiver_handler(lambda: KVAssembler(FINGERPRINT, LAYOUT))])
+        port_q.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await server.stop(1)
+
+    asyncio.run(main())
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _tcp_server(port_q: mp.Queue) -> None:
+    """Per connection: 8-byte length (0 = quit), 1-byte mode: 0 drains the bytes, 1 assembles messages."""
+    tune_malloc()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port_q.put(srv.getsockname()[1])
+        buf = memoryview(bytearray(8 << 20))
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                _recv_exact(conn, buf[:9])
+                want, framed = int.from_bytes(buf[:8], "little"), buf[8]
+                if want == 0:
+                    return
+                if not framed:
+                    for off in range(0, want, len(buf)):
+                        _recv_exact(conn, buf[: min(len(buf), want - off)])
+                else:
+                    asm = KVAssembler(FINGERPRINT, LAYOUT)
+                    while True:  # 4-byte length prefix per message; 0 ends the stream
+                        _recv_exact(conn, buf[:4])
+                        n = int.from_bytes(buf[:4], "little")
+                        if n == 0:
+                            break
+                        _recv_exact(conn, buf[:n])
+                        asm.feed_wire(buf[:n])
+                    asm.finish()
+                conn.sendall(b"k")
+
+
+async def _connect(port: int, chunk_bytes: int) -> tuple[grpc.aio.Channel, GrpcKVSender]:
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=grpc_message_options(chunk_bytes))
+    return channel, GrpcKVSender(channel, chunk_bytes=chunk_bytes, timeout_s=120)
+
+
+async def _grpc_once(sender: GrpcKVSender, ckv: CompactKV) -> float:
+    header = next(encode_compact_kv(ckv, request_id="bench", fingerprint=FINGERPRINT))
+    start = time.perf_counter()
+    ack = await sender.send(header, zip(ckv.keys, ckv.values, strict=True))
+    elapsed = time.perf_counter() - start
+    assert ack.bytes_received == ckv.nbytes, ack
+    return elapsed
+
+
+def _tcp_once(port: int, ckv: CompactKV, blobs: list[bytes], chunk_bytes: int, framed: bool) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        start = time.perf_counter()
+        s.sendall(sum(len(b) for b in blobs).to_bytes(8, "little") + bytes([framed]))
+        if framed:
+            header = next(encode_compact_kv(ckv, request_id="bench", fingerprint=FINGERPRINT))
+            for b in encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes, wire=True):
+                s.sendmsg([len(b).to_bytes(4, "little"), b])
+            s.sendall(bytes(4))
+        else:
+            for b in blobs:
+                s.sendall(b)
+        assert s.recv(1) == b"k"
+        return time.perf_counter() - start
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User+system CPU time of this process and ``pids`` (Linux /proc; the receivers' share)."""
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _measure(fn, pids: list[int]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of sender + receivers) of one transfer."""
+    cpu = _cpu_seconds(pids)
+    wall = fn()
+    return wall, _cpu_seconds(pids) - cpu
+
+
+def run(repeats: int, chunk_bytes: int) -> list[dict]:
+    tune_malloc()
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    servers = [
+        ctx.Process(target=_grpc_server, args=(chunk_bytes, port_q, stop), daemon=True),
+        ctx.Process(target=_tcp_server, args=(port_q,), daemon=True),
+    ]
+    ports = []
+    for p in servers:
+        p.start()
+        ports.append(port_q.get(timeout=60))
+    rows = []
+    loop = asyncio.new_event_loop()  # one long-lived channel, as a prefill worker keeps per decode worker
+    channel, sender = loop.run_until_complete(_connect(ports[0], chunk_bytes))
+    try:
+        loop.run_until_complete(_grpc_once(sender, make_cache(0.05)))  # connect and warm up
+        for budget in (0.1, 1.0):
+            ckv = make_cache(budget)
+            stream = encode_compact_kv(
+                ckv, request_id="bench", fingerprint=FINGERPRINT, chunk_bytes=chunk_bytes
+            )
+            blobs = [c.SerializeToString() for c in stream]
+            secs: dict[str, list[float]] = {k: [] for k in KINDS}
+            cpu: dict[str, list[float]] = {k: [] for k in KINDS}
+            pids = [p.pid for p in servers]
+            runs = {
+                "grpc": lambda c=ckv: loop.run_until_complete(_grpc_once(sender, c)),
+                "tcp": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=False),
+                "tcp_fmt": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=True),
+            }
+            for _ in range(repeats):
+                for kind, fn in runs.items():
+                    wall, used = _measure(fn, pids)
+                    secs[kind].append(wall)
+                    cpu[kind].append(used)
+            wire = sum(len(b) + GRPC_FRAMING for b in blobs)
+            row = dict(budget=budget, ratio=ckv.compression_ratio, payload=ckv.nbytes, wire=wire)
+            row.update(messages=len(blobs), seconds=secs)
+            row.update({f"{k}_gbps": wire / statistics.median(v) / 1e9 for k, v in secs.items()})
+            row.update({f"{k}_cpu_s_per_gb": statistics.median(v) / (wire / 1e9) for k, v in cpu.items()})
+            row["grpc_vs_tcp"] = statistics.median(
+                g / t for g, t in zip(secs["tcp"], secs["grpc"], strict=True)
+            )
+            row["grpc_vs_tcp_fmt"] = statistics.median(
+                f / g for g, f in zip(secs["grpc"], secs["tcp_fmt"], strict=True)
+            )
+            rows.append(row)
+    finally:
+        loop.run_until_complete(channel.close())
+        loop.close()
+        stop.set()
+        with socket.create_connection(("127.0.0.1", ports[1])) as s:
+            s.sendall(bytes(9))
+        for p in servers:
+            p.join(10)
+    for r in rows:
+        r["wire_vs_full"] = r["wire"] / rows[-1]["wire"]
+    return rows
+
+
+def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int) -> None:
+    print(f"layout L=32 H_kv=8 D=128 fp16, m={PROMPT}, chunk {chunk_bytes >> 10} KiB, median of {repeats}")
+    cols = "budget  k/(L*m)  payload MB  wire MB  wire/full  msgs  gRPC GB/s  TCP GB/s  TCP+fmt GB/s"
+    print(cols + "  gRPC/TCP  gRPC/TCP+fmt")
+    for r in rows:
+        print(
+            f"{r['budget']:>6.0%}  {r['ratio']:>7.4f}  {r['payload'] / 1e6:>10.2f}  {r['wire'] / 1e6:>7.2f}  "
+            f"{r['wire_vs_full']:>9.2%}  {r['messages']:>4}  {r['grpc_gbps']:>9.2f}  {r['tcp_gbps']:>8.2f}  "
+            f"{r['tcp_fmt_gbps']:>12.2f}  {r['grpc_vs_tcp']:>8.0%}  {r['grpc_vs_tcp_fmt']:>12.0%}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['budget']:.0%}" for r in rows]
+    ax1.bar(labels, [r["wire"] / 1e6 for r in rows])
+    ax1.set(title="bytes on the wire (MB, incl. metadata)", xlabel="budget")
+    names = {"grpc": "gRPC (aio + KVAssembler)", "tcp": "plain TCP", "tcp_fmt": "TCP + same format work"}
+    for i, (kind, name) in enumerate(names.items()):
+        ax2.bar(
+            [x + (i - 1) * 0.27 for x in range(len(rows))],
+            [r[f"{kind}_gbps"] for r in rows],
+            0.27,
+            label=name,
+        )
+    ax2.set(title="loopback throughput (GB/s)", xticks=range(len(rows)), xticklabels=labels, xlabel="budget")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "bench_kv_wire.png", dpi=120)
+    print(f"saved {out / 'bench_kv_wire.png'} and {out / 'results.json'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("out/bench_kv_wire"))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--chunk-mib", type=float, default=1.0)
+    args = ap.parse_args()
+    chunk_bytes = int(args.chunk_mib * (1 << 20))
+    report(run(args.repeats, chunk_bytes), args.out, chunk_bytes, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,9 @@ every repeat so they see the same machine load (ratios are medians of per-repeat
 - TCP+fmt (diagnostic): the same socket, but the sender encodes lazily and the receiver runs the same
   ``KVAssembler`` on length-prefixed messages - what the wire format costs without gRPC.
 
+CPU s/GB is the user+system time of sender and receiver processes per GB moved: the throughput a
+machine can reach when it is CPU-bound (as a small or busy box is: CRC32 on both ends dominates).
+
     python -m vlkv.common.bench_kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 1]
 """
 
@@ -214,13 +217,17 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
 
 def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int) -> None:
     print(f"layout L=32 H_kv=8 D=128 fp16, m={PROMPT}, chunk {chunk_bytes >> 10} KiB, median of {repeats}")
-    cols = "budget  k/(L*m)  payload MB  wire MB  wire/full  msgs  gRPC GB/s  TCP GB/s  TCP+fmt GB/s"
-    print(cols + "  gRPC/TCP  gRPC/TCP+fmt")
+    print(
+        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt | gRPC/TCP"
+        "  gRPC/TCP+fmt | CPU s/GB: gRPC   TCP  TCP+fmt"
+    )
     for r in rows:
         print(
-            f"{r['budget']:>6.0%}  {r['ratio']:>7.4f}  {r['payload'] / 1e6:>10.2f}  {r['wire'] / 1e6:>7.2f}  "
-            f"{r['wire_vs_full']:>9.2%}  {r['messages']:>4}  {r['grpc_gbps']:>9.2f}  {r['tcp_gbps']:>8.2f}  "
-            f"{r['tcp_fmt_gbps']:>12.2f}  {r['grpc_vs_tcp']:>8.0%}  {r['grpc_vs_tcp_fmt']:>12.0%}"
+            f"{r['budget']:>6.0%}  {r['ratio']:>7.4f}  {r['payload'] / 1e6:>10.2f}  {r['wire'] - r['payload']:>11}  "
+            f"{r['wire_vs_full']:>9.2%}  {r['messages']:>4} |      {r['grpc_gbps']:>4.2f}  {r['tcp_gbps']:>4.2f}  "
+            f"{r['tcp_fmt_gbps']:>7.2f} | {r['grpc_vs_tcp']:>8.0%}  {r['grpc_vs_tcp_fmt']:>12.0%} |"
+            f"           {r['grpc_cpu_s_per_gb']:>4.2f}  {r['tcp_cpu_s_per_gb']:>4.2f}  "
+            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f}"
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))

@@ -19,7 +19,7 @@ from vlkv.common.kv_wire import (
 )
 from vlkv.common.kv_wire_codec import parse_data_wire
 from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
-from vlkv.v1 import kv_pb2
+from vlkv.v1 import kv_pb2, worker_pb2
 
 from tests.kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
 
@@ -343,3 +343,42 @@ def test_grpc_stalled_sender_hits_deadline_and_frees_blocks():
 
     asyncio.run(main())
     assert (pool.allocs, pool.releases, pool.free) == (1, 1, pool.total)
+
+
+def test_grpc_slow_receiver_slows_the_sender():
+    """HTTP/2 flow control: the lazily encoding sender stays a bounded number of chunks ahead."""
+    chunk = 1 << 16
+    ckv = make_ckv(torch.float32, [160_000])  # 20 MB: ~312 chunks of 64 KiB
+    consumed, produced, lead = [0], [0], [0]
+
+    async def slow_transfer(requests, context):
+        async for _ in requests:
+            consumed[0] += 1
+            await asyncio.sleep(0.002)
+        return worker_pb2.TransferAck()
+
+    def counted(chunks):
+        for c in chunks:
+            produced[0] += 1
+            lead[0] = max(lead[0], produced[0] - consumed[0])
+            yield c
+
+    async def main():
+        handler = grpc.stream_unary_rpc_method_handler(
+            slow_transfer, response_serializer=worker_pb2.TransferAck.SerializeToString
+        )
+        server = grpc.aio.server(options=grpc_message_options(chunk))
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("vlkv.v1.DecodeWorker", {"TransferKV": handler})]
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        layers = zip(ckv.keys, ckv.values, strict=True)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=grpc_message_options(chunk)) as ch:
+            stream = encode_stream(encode(ckv)[0], layers, chunk, wire=True)
+            await GrpcKVSender(ch, chunk_bytes=chunk).send_chunks(counted(stream))
+        await server.stop(0)
+
+    asyncio.run(main())
+    assert produced[0] == consumed[0] > 300
+    assert lead[0] < 150, f"sender ran {lead[0]} chunks ahead of a slow receiver"

@@ -1,0 +1,72 @@
+"""Routing by free KV blocks: a decode worker that cannot admit a request is not chosen."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tests.inproc_cluster import InProcCluster
+from tests.test_decode_transfer_faults import _stream
+from tests.test_e2e_equality import random_png
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.services.app import start_decode_worker
+from vlkv.services.client import build_request, generate
+from vlkv.v1 import worker_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs):
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
+        pool=PoolConfig(pool_bytes=1 << 20, cache_wait_ms=600_000),
+    )
+    c = InProcCluster(cfg)
+    c.second = c.run(start_decode_worker(cfg, model=c.model, tokenizer=c.processor.tokenizer))
+
+    async def register():  # grpc.aio channels belong to the gateway's event loop
+        c.gateway.servicer.router.add_decode(c.second.address)
+
+    c.run(register())
+    yield c
+    c.run(c.second.stop())
+    c.close()
+
+
+def _fill(cluster, address: str, leave_free: int) -> None:
+    """Park orphan caches (long lease) on a worker until fewer than ``leave_free`` blocks are free."""
+    pool = cluster.decode.servicer.pool if address == cluster.decode.address else cluster.second.servicer.pool
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        i = 0
+        while pool.num_free >= leave_free:
+            m = min(40, max(1, (pool.num_free - leave_free + 1) * pool.block_size // 4))
+            stub.TransferKV(iter(_stream(cluster, f"filler-{address}-{i}", m=m)), timeout=30)
+            i += 1
+
+
+def test_requests_go_to_the_worker_with_room(cluster):
+    full, empty = cluster.decode.servicer.pool, cluster.second.servicer.pool
+    _fill(cluster, cluster.decode.address, leave_free=5)
+    held, free_empty = full.num_free, empty.num_free
+    assert held < 5 and free_empty == empty.num_blocks
+    for i in range(4):
+        req = build_request(images=[random_png(i)], question="what colour is the square ?", max_new_tokens=20)
+        out = generate(cluster.stub, req, timeout=60)
+        assert out.finished is not None
+        assert full.num_free == held  # nothing was admitted on the nearly full worker
+    assert empty.num_free == free_empty
+
+    _fill(cluster, cluster.second.address, leave_free=5)
+    req = build_request(images=[random_png(9)], question="what colour is the square ?", max_new_tokens=20)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(cluster.stub, req, timeout=60)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no decode worker has room" in err.value.details()
+    # the parked caches are freed when their lease ends (shortened here)
+    for servicer in (cluster.decode.servicer, cluster.second.servicer):
+        for rid in list(servicer._arrived):
+            cluster.loop.call_soon_threadsafe(servicer._expire, rid)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), cluster.loop).result(5)
+    assert full.num_free == full.num_blocks and empty.num_free == empty.num_blocks

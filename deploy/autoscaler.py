@@ -34,6 +34,7 @@ class PoolSpec:
     target: float = 2.0  # prefill: ongoing+queued per replica; decode: pool occupancy share (0, 1]
     cpus: float = 1.0
     gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # e.g. {"vlkv_decode": 1} to pin a node group
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:

@@ -25,8 +25,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-    if address:
-        ray.init(address=address)
+    if address or os.environ.get("RAY_ADDRESS"):  # an existing cluster (or inside `ray job submit`)
+        ray.init(address=address or os.environ["RAY_ADDRESS"])
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, log_to_driver=True)
 
@@ -58,7 +58,7 @@ class LocalCluster:
     async def _start_actor(self, kind: str) -> Replica:
         spec = self.specs[kind]
         cls = PrefillActor if kind == "prefill" else DecodeActor
-        actor = cls.options(num_cpus=spec.cpus, num_gpus=spec.gpus).remote()
+        actor = cls.options(num_cpus=spec.cpus, num_gpus=spec.gpus, resources=spec.resources).remote()
         try:
             address = await actor.start.remote(self.cfg)
         except BaseException:

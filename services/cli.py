@@ -17,7 +17,7 @@ POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv
 
 def _server_config(args) -> ServerConfig:
     return ServerConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype, torch_threads=args.threads),
+        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device, torch_threads=args.threads),
         pool=PoolConfig(
             pool_bytes=int(args.pool_mb * (1 << 20)), block_size=args.block_size, max_batch=args.max_batch
         ),
@@ -28,6 +28,7 @@ def _server_config(args) -> ServerConfig:
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local LLaVA checkpoint directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (each worker sees the GPU Ray gave it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (the pool's minimum)")
@@ -38,6 +39,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-target", type=float, default=0.8, help="KV pool occupancy per decode replica")
     p.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs each worker asks Ray for")
     p.add_argument("--worker-gpus", type=float, default=0.0, help="GPUs each worker asks Ray for")
+    p.add_argument(
+        "--node-groups",
+        action="store_true",
+        help='place prefill/decode workers on nodes with the custom resources "vlkv_prefill"/"vlkv_decode"',
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--pool-mb", type=float, default=256, help="KV pool size of each decode worker (MiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -79,13 +85,14 @@ async def _with_cluster(args, body) -> int:
     from vlkv.deploy.autoscaler import PoolSpec
     from vlkv.deploy.local import LocalCluster
 
-    def spec(n, n_max, target):
-        return PoolSpec(n, max(n, n_max or n), target, cpus=args.worker_cpus, gpus=args.worker_gpus)
+    def spec(kind, n, n_max, target):
+        resources = {f"vlkv_{kind}": 1.0} if args.node_groups else {}
+        return PoolSpec(n, max(n, n_max or n), target, args.worker_cpus, args.worker_gpus, resources)
 
     cluster = LocalCluster(
         _server_config(args),
-        prefill=spec(args.prefill, args.prefill_max, args.prefill_target),
-        decode=spec(args.decode, args.decode_max, args.decode_target),
+        prefill=spec("prefill", args.prefill, args.prefill_max, args.prefill_target),
+        decode=spec("decode", args.decode, args.decode_max, args.decode_target),
         gateway_port=getattr(args, "port", 0),
         metrics_port=args.metrics_port,
         ray_address=args.ray_address,

@@ -1,6 +1,6 @@
 """Compact-KV hand-off through ``torch.distributed`` point-to-point (NCCL on one node, gloo on CPU).
 
-Protocol between sender rank ``dst``'s peer and receiver (all tensors on the backend's device):
+Protocol between the sender and the receiver rank (all tensors on the backend's device):
 1. sender -> receiver: int64 ``[MAGIC, FORMAT_VERSION, header_len, 0]``, then the serialized
    ``KVHeader`` as ``header_len`` uint8.
 2. receiver validates the header with the same rules as ``KVAssembler`` (``validate_header``), calls
@@ -8,16 +8,18 @@ Protocol between sender rank ``dst``'s peer and receiver (all tensors on the bac
    ``grpc.StatusCode`` value of the refusal) so a refused sender never blocks on sends nobody posts.
 3. sender -> receiver: per layer, K then V as raw bytes (a uint8 view, so bf16 works on every
    backend). Layer l is posted with ``isend`` and the next layer is produced while it is in flight;
-   at most ``window`` layers are outstanding, bounding the memory held alive for in-flight sends.
+   at most ``window`` layers are in flight, bounding the memory held alive for pending sends.
 
 There are no checksums: the link is in-node (NVLink/PCIe/shared memory). A peer that dies surfaces
 as a backend error (after the process group's timeout), mapped to KVWireError(DATA_LOSS), with the
-allocation released.
+allocation released. A sender whose layer iterator fails after the receiver accepted leaves the receiver
+waiting until that timeout: keep the process-group timeout short (seconds) for hand-off groups.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import grpc
@@ -64,25 +66,28 @@ def send_compact_kv(
     if int(status.item()) != 0:
         code = _STATUS.get(int(status.item()), grpc.StatusCode.UNKNOWN)
         raise KVWireError(code, f"rank {dst} refused the KV cache of request {h.request_id!r}")
-    pending: list[list[dist.Work]] = []
+    pending: list[tuple[list[dist.Work], list[torch.Tensor]]] = []  # tensors stay alive until sent
     total = seen = 0
     dtype = DTYPES[h.dtype]
-    for layer, (k, v) in enumerate(layers):
-        if layer >= h.num_layers:
-            raise ValueError(f"more layers than the header's {h.num_layers}")
-        shape = (h.num_kv_heads, h.layer_lengths[layer], h.head_dim)
-        if any(tuple(t.shape) != shape or t.dtype != dtype for t in (k, v)):
-            raise ValueError(f"layer {layer} does not match the header's {shape} {dtype}")
-        raw = [_raw(k, device), _raw(v, device)]
-        pending.append([dist.isend(t, dst, group=group) for t in raw])
-        total += sum(t.numel() for t in raw)
-        seen = layer + 1
-        while len(pending) >= window:
-            for work in pending.pop(0):
-                work.wait()
-    for works in pending:
-        for work in works:
-            work.wait()
+    try:
+        for layer, (k, v) in enumerate(layers):
+            if layer >= h.num_layers:
+                raise ValueError(f"more layers than the header's {h.num_layers}")
+            shape = (h.num_kv_heads, h.layer_lengths[layer], h.head_dim)
+            if any(tuple(t.shape) != shape or t.dtype != dtype for t in (k, v)):
+                raise ValueError(f"layer {layer} does not match the header's {shape} {dtype}")
+            raw = [_raw(k, device), _raw(v, device)]
+            pending.append(([dist.isend(t, dst, group=group) for t in raw], raw))
+            total += sum(t.numel() for t in raw)
+            seen = layer + 1
+            while len(pending) > window:  # at most `window` layers in flight while the next is produced
+                for work in pending.pop(0)[0]:
+                    work.wait()
+    finally:  # also on a producer error: posted sends must finish before their buffers can go
+        for works, _ in pending:
+            for work in works:
+                with contextlib.suppress(RuntimeError):
+                    work.wait()
     if seen != h.num_layers:
         raise ValueError(f"sent {seen} layers, the header announced {h.num_layers}")
     return total

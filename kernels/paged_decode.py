@@ -204,6 +204,8 @@ def paged_decode_attention(
     lengths = lengths.contiguous()  # the kernel reads lengths[seq] at unit stride
     if max_length is None:
         max_length = int(lengths.max())
+    elif validate and max_length < int(lengths.max()):
+        raise ValueError(f"max_length={max_length} is below the longest sequence ({int(lengths.max())})")
     n_tiles = triton.cdiv(max(1, max_length), block_n)
     splits = num_splits if num_splits is not None else _default_splits(n_tiles, n_seq, n_kv, q.device)
     if splits < 1:

@@ -174,6 +174,9 @@ def test_input_validation(kernels):
             fn(q, k_pool, v_pool, bad, lens, scale=1.0, force_triton=force)
         with pytest.raises(TypeError):
             fn(q, k_pool, v_pool, table.long(), lens, scale=1.0, force_triton=force)
+        if force:
+            with pytest.raises(ValueError, match="max_length"):
+                fn(q, k_pool, v_pool, table, lens, scale=1.0, force_triton=True, max_length=8)
         with pytest.raises(TypeError):
             fn(q.half(), k_pool, v_pool, table, lens, scale=1.0, force_triton=force)
         with pytest.raises(ValueError):  # H % H_kv

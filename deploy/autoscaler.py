@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+from vlkv.services.metrics import record_loads
 from vlkv.services.router import Router
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Autoscaler:
     downscale_delay_s: float = 5.0
     replicas: list[Replica] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    metrics: object = None  # GatewayMetrics to export the loads to
     _low_since: dict[str, float] = field(default_factory=dict)
     _task: asyncio.Task | None = None
 
@@ -118,6 +120,8 @@ class Autoscaler:
 
     async def tick(self) -> None:
         await self.router.poll_all()
+        if self.metrics is not None:
+            record_loads(self.metrics, self.router)
         await self._reap_dead()
         for kind in ("prefill", "decode"):
             await self._scale(kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vlkv.services.metrics import record_loads
 from vlkv.v1 import admin_pb2, admin_pb2_grpc
 
 
@@ -16,9 +17,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         out = admin_pb2.ClusterStatus(
             requests_in_flight=self.gateway.in_flight, requests_total=self.gateway.requests_total
         )
-        m = self.gateway.metrics
+        record_loads(self.gateway.metrics, router)
         for kind, pool in (("prefill", router.prefill), ("decode", router.decode)):
-            m.replicas.labels(kind).set(len([w for w in pool.values() if not w.draining]))
             for w in pool.values():
                 state = "unreachable" if not w.reachable else "draining" if w.draining else "serving"
                 out.workers.append(
@@ -33,10 +33,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         in_flight=w.in_flight,
                     )
                 )
-                m.worker_running.labels(kind, w.address).set(w.load.running)
-                m.worker_waiting.labels(kind, w.address).set(w.load.waiting)
-                if kind == "decode" and w.load.total_blocks:
-                    m.pool_occupancy.labels(w.address).set(1 - w.load.free_blocks / w.load.total_blocks)
         for e in self.autoscaler.events if self.autoscaler else []:
             out.events.append(
                 admin_pb2.ScalingEvent(

@@ -15,7 +15,8 @@ from transformers import AutoConfig
 from vlkv.common.config import ServerConfig
 from vlkv.common.grpc_server import Server
 from vlkv.common.model_loading import load_model, load_processor
-from vlkv.decode_worker.server import DecodeServicer
+from vlkv.common.transport import tune_malloc
+from vlkv.decode_worker.server import DecodeServicer, add_decode_servicer
 from vlkv.prefill_worker.server import PrefillServicer
 from vlkv.services.admin import AdminServicer
 from vlkv.services.gateway import GatewayServicer
@@ -57,6 +58,7 @@ class Running:
 
 
 async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
+    tune_malloc()  # MiB-sized KV chunk buffers stay on the heap (see transport.tune_malloc)
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     processor = processor if processor is not None else load_processor(cfg.model.path)
@@ -72,12 +74,13 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
 
 
 async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, tokenizer=None) -> Running:
+    tune_malloc()
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
     servicer = DecodeServicer(model, tokenizer, cfg)
     server = Server(cfg.host, port, [_service_name(worker_pb2, "DecodeWorker")], cfg.limits.max_message_bytes)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server.server)
+    add_decode_servicer(servicer, server.server)  # TransferKV on raw bytes: the zero-copy path
     servicer.address = server.address
     await servicer.start()
     await server.start()

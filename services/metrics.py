@@ -46,3 +46,16 @@ def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):
     """Start the /metrics HTTP endpoint in a background thread; returns the HTTP server."""
     server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
     return server
+
+
+def record_loads(metrics: GatewayMetrics, router) -> None:
+    """Export the loads the router last polled (the figures the autoscaler scales on)."""
+    for kind, pool in (("prefill", router.prefill), ("decode", router.decode)):
+        metrics.replicas.labels(kind).set(len([w for w in pool.values() if not w.draining]))
+        for w in pool.values():
+            metrics.worker_running.labels(kind, w.address).set(w.load.running)
+            metrics.worker_waiting.labels(kind, w.address).set(
+                w.load.waiting + (w.in_flight if kind == "prefill" else 0)
+            )
+            if kind == "decode" and w.load.total_blocks:
+                metrics.pool_occupancy.labels(w.address).set(1 - w.load.free_blocks / w.load.total_blocks)

@@ -1,0 +1,51 @@
+"""The gateway's Prometheus endpoint and the Admin status API."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.services.client import build_request, generate
+from vlkv.services.metrics import serve_metrics
+from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+from tests.inproc_cluster import InProcCluster
+from tests.test_e2e_equality import random_png
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs):
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=2 << 20)
+    )
+    c = InProcCluster(cfg)
+    yield c
+    c.close()
+
+
+def test_metrics_and_status_reflect_requests(cluster):
+    http = serve_metrics(cluster.gateway.servicer.metrics, 0)
+    try:
+        generate(
+            cluster.stub,
+            build_request(images=[random_png(1)], question="what ?", max_new_tokens=4, budget=0.2),
+        )
+        with pytest.raises(grpc.RpcError):
+            generate(cluster.stub, build_request(prompt="what ?", budget=7.0))
+        with grpc.insecure_channel(cluster.gateway.address) as ch:
+            st = admin_pb2_grpc.AdminStub(ch).GetStatus(admin_pb2.StatusRequest(), timeout=10)
+        kinds = sorted(w.kind for w in st.workers)
+        assert kinds == ["decode", "prefill"] and st.requests_total == 2 and st.requests_in_flight == 0
+        decode = next(w for w in st.workers if w.kind == "decode")
+        assert decode.state == "serving" and decode.free_blocks == decode.total_blocks > 0
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=10).read().decode()
+        )
+    finally:
+        http.shutdown()
+    assert 'vlkv_requests_total{status="OK"} 1.0' in body
+    assert 'vlkv_requests_total{status="INVALID_ARGUMENT"} 1.0' in body
+    assert "vlkv_ttft_seconds_count 1.0" in body
+    assert "vlkv_decode_pool_occupancy" in body and "vlkv_compression_ratio_bucket" in body

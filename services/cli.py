@@ -1,4 +1,4 @@
-"""The ``vlkv`` command line: serve, generate, demo, eval."""
+"""The ``vlkv`` command line: serve, generate, demo, eval, bench."""
 
 from __future__ import annotations
 
@@ -236,6 +236,12 @@ def cmd_eval(args) -> int:
     return run_eval(args)
 
 
+def cmd_bench(args) -> int:
+    from vlkv.services.bench_report import run_bench
+
+    return run_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vlkv", description="Disaggregated VLM serving with compressed KV caches"
@@ -282,6 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="sweep every policy over the Table-1 budgets")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="benchmark report: vlkv (vlcache, full) against a Hugging Face server")
+    p.add_argument("what", choices=["all"], help="what to run (all: every table and figure)")
+    p.add_argument("--quick", action="store_true", help="small counts: finishes within 10 minutes on 2 cores")
+    p.add_argument("--out", default="out/bench", help="where report.md, results.json and the plots go")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--kv-mb", type=float, default=None, help="KV memory of each system (MiB; default 24)")
+    p.add_argument(
+        "--kvpress", default="auto", choices=["auto", "off"], help="compare NVIDIA kvpress presses"
+    )
+    p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -4,17 +4,21 @@ A 2K-token prompt on a 7B-shaped layout (32 layers, 8 KV heads, head dim 128, fp
 and 100%. Receivers run in a separate process. Three transfers of the same cache, interleaved in
 every repeat so they see the same machine load (ratios are medians of per-repeat ratios):
 
-- gRPC: a real ``grpc.aio`` server with a client-streaming handler feeding a ``KVAssembler`` (CRC check,
-  copy into layer buffers); the client encodes lazily from the tensors (CRC, framing), as a prefill
-  worker does.
+- gRPC: a real ``grpc.aio`` server whose ``TransferKV`` takes raw bytes, as the decode worker's does,
+  and feeds a ``KVAssembler`` (CRC-32C check; a tensor that arrives whole in one message is kept as a view of it,
+  others are copied into layer buffers); the client encodes lazily from the tensors (CRC-32C, one-copy
+  framing) and streams through ``GrpcKVSender``, as the prefill worker does.
 - TCP: a plain socket sending the already-serialized chunk bytes, drained into a buffer: the ceiling.
 - TCP+fmt (diagnostic): the same socket, but the sender encodes lazily and the receiver runs the same
   ``KVAssembler`` on length-prefixed messages - what the wire format costs without gRPC.
 
-CPU s/GB is the user+system time of sender and receiver processes per GB moved: the throughput a
-machine can reach when it is CPU-bound (as a small or busy box is: CRC32 on both ends dominates).
+CPU s/GB is the user+system time of the sender and the receiving process per GB moved, averaged over
+the repeats (also split into send/recv): on a machine whose cores are busy with other work, throughput follows it. gRPC's own
+data path (grpcio copies each message once into its slices when sending, and joins the received slices
+into a ``bytes`` when receiving, on top of the kernel's socket copies) is what separates it from TCP.
+The load average before and after the run is printed: the TCP ceiling moves with it.
 
-    python -m vlkv.common.bench_kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 1]
+    python -m vlkv.common.bench_kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import grpc
 import torch
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.kv_assembler import KVAssembler
-from vlkv.common.kv_wire import encode_compact_kv, encode_stream
+from vlkv.common.kv_wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_stream
 from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler, tune_malloc
 
 LAYOUT = (32, 8, 128, torch.float16)  # L, H_kv, D, dtype
@@ -138,20 +142,18 @@ def _tcp_once(port: int, ckv: CompactKV, blobs: list[bytes], chunk_bytes: int, f
         return time.perf_counter() - start
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """User+system CPU time of this process and ``pids`` (Linux /proc; the receivers' share)."""
-    total = time.process_time()
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """User+system CPU time of this process (the sender) and of ``pid`` (a receiver; Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return time.process_time(), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure(fn, pids: list[int]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of sender + receivers) of one transfer."""
-    cpu = _cpu_seconds(pids)
+def _measure(fn, pid: int) -> tuple[float, float, float]:
+    """(wall seconds, sender CPU seconds, receiver CPU seconds) of one transfer."""
+    send, recv = _cpu_seconds(pid)
     wall = fn()
-    return wall, _cpu_seconds(pids) - cpu
+    send2, recv2 = _cpu_seconds(pid)
+    return wall, send2 - send, recv2 - recv
 
 
 def run(repeats: int, chunk_bytes: int) -> list[dict]:
@@ -178,8 +180,8 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
             )
             blobs = [c.SerializeToString() for c in stream]
             secs: dict[str, list[float]] = {k: [] for k in KINDS}
-            cpu: dict[str, list[float]] = {k: [] for k in KINDS}
-            pids = [p.pid for p in servers]
+            cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
+            pids = {"grpc": servers[0].pid, "tcp": servers[1].pid, "tcp_fmt": servers[1].pid}
             runs = {
                 "grpc": lambda c=ckv: loop.run_until_complete(_grpc_once(sender, c)),
                 "tcp": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=False),
@@ -187,14 +189,19 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
             }
             for _ in range(repeats):
                 for kind, fn in runs.items():
-                    wall, used = _measure(fn, pids)
+                    wall, send, recv = _measure(fn, pids[kind])
                     secs[kind].append(wall)
-                    cpu[kind].append(used)
+                    cpu[kind].append((send, recv))
             wire = sum(len(b) + GRPC_FRAMING for b in blobs)
             row = dict(budget=budget, ratio=ckv.compression_ratio, payload=ckv.nbytes, wire=wire)
             row.update(messages=len(blobs), seconds=secs)
             row.update({f"{k}_gbps": wire / statistics.median(v) / 1e9 for k, v in secs.items()})
-            row.update({f"{k}_cpu_s_per_gb": statistics.median(v) / (wire / 1e9) for k, v in cpu.items()})
+            gb = wire / 1e9
+            for k, v in cpu.items():  # totals over the repeats: /proc counts whole 10 ms clock ticks
+                send, recv = sum(a for a, _ in v) / len(v), sum(b for _, b in v) / len(v)
+                row[f"{k}_cpu_s_per_gb"] = (send + recv) / gb
+                row[f"{k}_send_cpu_s_per_gb"] = send / gb
+                row[f"{k}_recv_cpu_s_per_gb"] = recv / gb
             row["grpc_vs_tcp"] = statistics.median(
                 g / t for g, t in zip(secs["tcp"], secs["grpc"], strict=True)
             )
@@ -215,8 +222,15 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int) -> None:
-    print(f"layout L=32 H_kv=8 D=128 fp16, m={PROMPT}, chunk {chunk_bytes >> 10} KiB, median of {repeats}")
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tuple[str, str]) -> None:
+    print(
+        f"layout L=32 H_kv=8 D=128 fp16, m={PROMPT}, chunk {chunk_bytes >> 10} KiB, median of {repeats}; "
+        f"load avg (1/5/15 min) before {load[0]}, after {load[1]}, {os.cpu_count()} CPUs"
+    )
     print(
         "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt | gRPC/TCP"
         "  gRPC/TCP+fmt | CPU s/GB: gRPC   TCP  TCP+fmt"
@@ -229,8 +243,15 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int) -> None:
             f"           {r['grpc_cpu_s_per_gb']:>4.2f}  {r['tcp_cpu_s_per_gb']:>4.2f}  "
             f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f}"
         )
+    for r in rows:
+        split = ", ".join(
+            f"{name} {r[f'{k}_send_cpu_s_per_gb']:.2f}/{r[f'{k}_recv_cpu_s_per_gb']:.2f}"
+            for k, name in (("grpc", "gRPC"), ("tcp", "TCP"), ("tcp_fmt", "TCP+fmt"))
+        )
+        print(f"{r['budget']:>6.0%}  CPU s/GB send/recv: {split}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    meta = dict(chunk_bytes=chunk_bytes, repeats=repeats, load_before=load[0], load_after=load[1])
+    (out / "results.json").write_text(json.dumps(dict(meta, rows=rows), indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,10 +280,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("out/bench_kv_wire"))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--chunk-mib", type=float, default=1.0)
+    ap.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20))
     args = ap.parse_args()
     chunk_bytes = int(args.chunk_mib * (1 << 20))
-    report(run(args.repeats, chunk_bytes), args.out, chunk_bytes, args.repeats)
+    before = _load()
+    rows = run(args.repeats, chunk_bytes)
+    report(rows, args.out, chunk_bytes, args.repeats, (before, _load()))
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ class PoolConfig:
 class TransferConfig:
     """How compact caches travel from prefill to decode."""
 
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20  # kv_wire.DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -115,3 +115,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
+        _check(  # one KV chunk plus its framing (transport.MESSAGE_OVERHEAD_BYTES) fits in a message
+            self.transfer.chunk_bytes + (1 << 17) <= self.limits.max_message_bytes,
+            "transfer.chunk_bytes + 128 KiB must be <= limits.max_message_bytes",
+        )

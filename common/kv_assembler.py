@@ -10,7 +10,7 @@ Status codes (``KVWireError.code``):
 - INVALID_ARGUMENT: protocol violations - first message not a header, a second header, an empty
   chunk, anything after the trailer, an insane/oversized header, unknown layer or tensor, an empty
   data chunk, an offset that leaves a gap, overlaps or runs past the tensor's end.
-- DATA_LOSS: corruption or loss - CRC mismatch, bytes that do not parse as a KVChunk
+- DATA_LOSS: corruption or loss - CRC-32C mismatch, bytes that do not parse as a KVChunk
   (``feed_wire``), trailer totals that disagree with what arrived, bytes missing at the trailer, a
   stream that ends (``finish()``) before its trailer.
 - FAILED_PRECONDITION: a sane header whose fingerprint, layout or dtype is not this worker's model.
@@ -18,12 +18,16 @@ Status codes (``KVWireError.code``):
 
 Chunks of one tensor must arrive in order (offset == bytes already received); different tensors and
 layers may interleave. Buffers are allocated lazily per tensor, so a header that lies about sizes
-costs no memory until bytes actually arrive.
+costs no memory until bytes actually arrive. A tensor that arrives whole in one chunk of an immutable
+``bytes`` message (what gRPC hands over) is not copied at all: its tensor is a ``torch.frombuffer``
+view of that message, so the decoded cache's tensors may share memory with ``bytes`` objects: read
+them or copy them into a pool, never write to them. Payloads in any other buffer (a ``bytearray`` or
+memoryview the caller reuses) are always copied.
 """
 
 from __future__ import annotations
 
-import zlib
+import warnings
 from collections.abc import Callable
 
 import grpc
@@ -31,7 +35,7 @@ import torch
 from google.protobuf.message import DecodeError
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.kv_wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError, dtype_name
-from vlkv.common.kv_wire_codec import parse_data_wire
+from vlkv.common.kv_wire_codec import crc32c, parse_data_wire
 from vlkv.v1 import kv_pb2
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -89,6 +93,18 @@ def validate_header(
     if got != want:
         raise KVWireError(_PRECONDITION, f"KV layout (L, H_kv, D, dtype) {got} != this worker's {want}")
     return total
+
+
+def _immutable(payload: bytes | memoryview) -> bool:
+    """Whether ``payload``'s memory can never change (``bytes``, or a view of ``bytes``)."""
+    return type(payload) is bytes or (isinstance(payload, memoryview) and type(payload.obj) is bytes)
+
+
+def _byte_view(payload: bytes | memoryview) -> torch.Tensor:
+    """A uint8 tensor sharing ``payload``'s memory (it keeps the received message alive)."""
+    with warnings.catch_warnings():  # received bytes are immutable; the decoded cache is only read
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8)
 
 
 class KVAssembler:
@@ -212,7 +228,7 @@ class KVAssembler:
             raise KVWireError(_INVALID, f"{part or 'empty chunk'} after the trailer")
         elif part == "data":
             d = chunk.data
-            self._on_data(d.layer, d.tensor, d.offset, d.data, d.crc32)  # .data copies: read once
+            self._on_data(d.layer, d.tensor, d.offset, d.data, d.crc32c)  # .data copies: read once
         elif part == "trailer":
             self._on_trailer(chunk.trailer)
         else:
@@ -232,8 +248,8 @@ class KVAssembler:
 
     def _on_data(self, layer: int, tensor: int, offset: int, payload: bytes | memoryview, crc: int) -> None:
         n = len(payload)
-        if zlib.crc32(payload) != crc:
-            raise KVWireError(_LOSS, f"CRC mismatch in layer {layer} tensor {tensor} at offset {offset}")
+        if crc32c(payload) != crc:
+            raise KVWireError(_LOSS, f"CRC-32C mismatch in layer {layer} tensor {tensor} at offset {offset}")
         if layer >= len(self._layer_bytes):
             raise KVWireError(_INVALID, f"layer {layer} not in the header's {len(self._layer_bytes)}")
         if tensor not in (kv_pb2.KV_TENSOR_KEY, kv_pb2.KV_TENSOR_VALUE):
@@ -250,9 +266,12 @@ class KVAssembler:
                 _INVALID, f"{where}: chunk ends at {filled + n}, past the tensor's {size} bytes"
             )
         buf = self._bufs[layer][tensor]
-        if buf is None:
-            buf = self._bufs[layer][tensor] = torch.empty(size, dtype=torch.uint8)
-        memoryview(buf.numpy())[filled : filled + n] = payload
+        if buf is None and n == size and _immutable(payload):  # whole tensor in one chunk: a view
+            self._bufs[layer][tensor] = _byte_view(payload)
+        else:
+            if buf is None:
+                buf = self._bufs[layer][tensor] = torch.empty(size, dtype=torch.uint8)
+            memoryview(buf.numpy())[filled : filled + n] = payload
         self._filled[layer][tensor] = filled + n
         self.bytes_received += n
         self.chunks_received += 1

@@ -1,9 +1,15 @@
-"""The compact-KV wire format: one ``KVHeader``, per-layer K/V byte chunks with CRC32, one ``KVTrailer``.
+"""The compact-KV wire format: one ``KVHeader``, per-layer K/V byte chunks with CRC-32C, one ``KVTrailer``.
 
 Sender: ``encode_compact_kv`` (or ``encode_header`` + ``encode_stream`` when layers are gathered one by
 one) yields ``KVChunk`` messages lazily, so layer l is on the wire while layer l+1 is being produced.
 Bytes are taken straight from tensor memory (a uint8 view; bf16 has no numpy dtype) in little-endian
-host order; the only copy is the one protobuf makes into its ``bytes`` field.
+host order; the only copy is the one protobuf makes into its ``bytes`` field (``wire=True`` streams
+skip protobuf: ``kv_wire_codec`` serializes each chunk with one copy).
+
+Format version 1 (``FORMAT_VERSION``; a receiver refuses any other with INVALID_ARGUMENT): the messages
+of ``protos/vlkv/v1/kv.proto``, each data chunk checksummed with CRC-32C (``KVData.crc32c``,
+hardware-accelerated through ``google_crc32c``). Development builds before any deployment used zlib's
+CRC-32 under the same version number; no deployed peer speaks that.
 
 Receiver: ``KVAssembler`` (in ``kv_assembler``) validates and rebuilds a ``CompactKV``. Status codes:
 protocol violations (bad order, bad header, unknown layer, offset gaps/overlaps) are INVALID_ARGUMENT;
@@ -14,18 +20,20 @@ missing) is DATA_LOSS; a sane cache built for another model/layout/dtype is FAIL
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 import torch
 from torch import nn
 from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_wire_codec import encode_data_wire
+from vlkv.common.kv_wire_codec import crc32c, encode_data_wire
 from vlkv.v1 import generate_pb2, kv_pb2
 
-FORMAT_VERSION = 1
-DEFAULT_CHUNK_BYTES = 1 << 20
+FORMAT_VERSION = 1  # see the module docstring; bump on any incompatible change
+# 4 MiB: fewer messages (gRPC's per-message cost) and, for a 7B-shaped cache at 2K tokens, every
+# per-layer K or V (H_kv * k_l * D * 2 bytes <= 4 MiB) travels whole, which the receiver keeps as a
+# view of the message instead of copying (see ``kv_assembler``).
+DEFAULT_CHUNK_BYTES = 4 << 20
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -148,7 +156,7 @@ def encode_layer(
     """Data chunks of one layer: K's bytes then V's, each split into pieces of <= ``chunk_bytes``."""
     for kind, off, piece in _pieces(k, v, chunk_bytes):
         data = kv_pb2.KVData(
-            layer=layer_idx, tensor=kind, offset=off, data=bytes(piece), crc32=zlib.crc32(piece)
+            layer=layer_idx, tensor=kind, offset=off, data=bytes(piece), crc32c=crc32c(piece)
         )
         yield kv_pb2.KVChunk(data=data)
 
@@ -226,8 +234,11 @@ def encode_compact_kv(
     vision_tokens: int = 0,
     policy: str = "",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[kv_pb2.KVChunk]:
-    """The whole wire stream of ``ckv`` (a lazy generator: header, layer chunks, trailer)."""
+    wire: bool = False,
+) -> Iterator[kv_pb2.KVChunk] | Iterator[bytes]:
+    """The whole wire stream of ``ckv`` (a lazy generator: header, layer chunks, trailer).
+
+    ``wire=True`` yields the serialized messages (see ``encode_stream``)."""
     header = encode_header(
         request_id=request_id,
         fingerprint=fingerprint,
@@ -243,7 +254,7 @@ def encode_compact_kv(
         vision_tokens=vision_tokens,
         policy=policy,
     )
-    return encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes)
+    return encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes, wire=wire)
 
 
 def __getattr__(name: str) -> object:

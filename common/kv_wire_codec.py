@@ -10,11 +10,47 @@ MiB-sized chunks those copies, not the network, bound loopback throughput. So:
   returns None for anything else (header, trailer, unknown or repeated fields, non-minimal
   lengths, out-of-range values, truncation), which then goes through the real protobuf parser. So
   the fast path never accepts a message protobuf would read differently; the fuzz test checks this.
+
+Each chunk carries the CRC-32C (Castagnoli polynomial, as in iSCSI/SCTP; ``crc32c``) of its payload.
+``google_crc32c``'s C extension computes it with the CPU's CRC32 instruction (SSE4.2 / ARMv8), ~10-20
+GB/s against ~1-3 GB/s for zlib's CRC-32, which was the main CPU cost of a transfer on both ends.
 """
 
 from __future__ import annotations
 
-import zlib
+import logging
+import warnings
+
+import numpy as np
+
+with warnings.catch_warnings():  # its own "using pure Python" warning: we log ours below
+    warnings.simplefilter("ignore", RuntimeWarning)
+    import google_crc32c
+
+log = logging.getLogger(__name__)
+
+# "c": hardware CRC32C through the C extension; "python": google_crc32c's pure-Python fallback (correct,
+# but orders of magnitude slower), used only where its C extension is missing.
+CRC32C_IMPLEMENTATION: str = google_crc32c.implementation
+_crc32c_value = google_crc32c.value
+
+if CRC32C_IMPLEMENTATION == "c":
+
+    def crc32c(buf: bytes | bytearray | memoryview) -> int:
+        """CRC-32C of ``buf`` without copying it.
+
+        The C extension reads only objects without a buffer-release hook (``bytes``, NumPy arrays), not
+        a ``memoryview`` or ``bytearray``; ``np.frombuffer`` wraps any contiguous buffer in an array.
+        """
+        return _crc32c_value(buf if type(buf) is bytes else np.frombuffer(buf, dtype=np.uint8))
+
+else:  # pragma: no cover - only where the wheel's C extension cannot load
+    log.warning("google_crc32c has no C extension here: KV chunk checksums use pure Python (slow)")
+
+    def crc32c(buf: bytes | bytearray | memoryview) -> int:
+        """CRC-32C of ``buf`` (pure Python: correct, slow)."""
+        return _crc32c_value(bytes(buf))
+
 
 _KV_CHUNK_DATA_TAG = 0x12  # KVChunk field 2 (data), length-delimited
 _U32, _U64 = 1 << 32, 1 << 64
@@ -30,7 +66,7 @@ def _varint(value: int) -> bytes:
 
 
 def encode_data_wire(layer: int, tensor: int, offset: int, piece: memoryview) -> bytes:
-    """Serialized ``KVChunk(data=KVData(layer, tensor, offset, data=piece, crc32=crc32(piece)))``."""
+    """Serialized ``KVChunk(data=KVData(layer, tensor, offset, data=piece, crc32c=crc32c(piece)))``."""
     head = bytearray()
     for key, value in ((0x08, layer), (0x10, tensor), (0x18, offset)):
         if value:
@@ -38,7 +74,7 @@ def encode_data_wire(layer: int, tensor: int, offset: int, piece: memoryview) ->
             head += _varint(value)
     head.append(0x22)
     head += _varint(piece.nbytes)
-    crc = zlib.crc32(piece)
+    crc = crc32c(piece)
     tail = b"\x2d" + crc.to_bytes(4, "little") if crc else b""
     body_len = len(head) + piece.nbytes + len(tail)
     return b"".join((bytes([_KV_CHUNK_DATA_TAG]), _varint(body_len), head, piece, tail))
@@ -59,7 +95,7 @@ def _read_varint(buf: bytes | bytearray | memoryview, pos: int, end: int) -> tup
 
 
 def parse_data_wire(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, memoryview, int] | None:
-    """(layer, tensor, offset, payload view, crc32) of a canonical data chunk, else None."""
+    """(layer, tensor, offset, payload view, crc32c) of a canonical data chunk, else None."""
     if len(raw) < 2 or raw[0] != _KV_CHUNK_DATA_TAG:
         return None
     size, pos = _read_varint(raw, 1, len(raw))
@@ -84,7 +120,7 @@ def parse_data_wire(raw: bytes | bytearray | memoryview) -> tuple[int, int, int,
                 return None
             payload = memoryview(raw)[pos : pos + length]
             fields[key], pos = length, pos + length
-        elif key == 0x2D and pos + 4 <= end:  # crc32: fixed32
+        elif key == 0x2D and pos + 4 <= end:  # crc32c: fixed32
             fields[key], pos = int.from_bytes(raw[pos : pos + 4], "little"), pos + 4
         else:
             return None

@@ -4,6 +4,11 @@ A request's compact cache arrives through ``TransferKV`` (from its prefill worke
 through ``Decode`` (to the gateway); the two calls meet on the request id in either order. Pool blocks are
 reserved when the header arrives (after the fingerprint and layout checks), released on any transfer
 failure, and a cache that no ``Decode`` call claims within its lease is freed.
+
+``TransferKV`` takes its messages as raw bytes (register the servicer with ``add_decode_servicer``, not
+the generated ``add_DecodeWorkerServicer_to_server``): ``KVAssembler.feed_wire`` reads data chunks
+zero-copy. The bytes are serialized ``KVChunk`` messages, so any sender works: the prefill worker's
+pre-encoded stream and the generated stub's ``TransferKV`` alike.
 """
 
 from __future__ import annotations
@@ -78,7 +83,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = ""
         try:
             async for chunk in request_iterator:
-                assembler.feed(chunk)
+                if isinstance(chunk, bytes):  # registered through add_decode_servicer
+                    assembler.feed_wire(chunk)
+                else:  # a KVChunk (a servicer registered with the generated deserializer)
+                    assembler.feed(chunk)
                 if not rid and assembler.header is not None:
                     rid = assembler.header.request_id
                     self._in_transfer.add(rid)
@@ -203,3 +211,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             draining=self.draining,
             model_fingerprint=self.fingerprint,
         )
+
+
+class _CaptureHandlers:
+    """Stands in for a server to read the method handlers a generated ``add_*_to_server`` registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    """Register the DecodeWorker service as the generated code does, except that ``TransferKV`` gets
+    its requests undeserialized (bytes) for the zero-copy ``KVAssembler.feed_wire`` path."""
+    capture = _CaptureHandlers()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    generated = handlers["TransferKV"]
+    handlers["TransferKV"] = grpc.stream_unary_rpc_method_handler(
+        generated.stream_unary, request_deserializer=None, response_serializer=generated.response_serializer
+    )
+    service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

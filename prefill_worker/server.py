@@ -2,8 +2,9 @@
 
 Prefills run one at a time in a worker thread (the forward is compute-bound and uses all torch threads);
 queued requests wait on the event loop, which keeps answering health checks and load queries. The cache
-is streamed to the decode worker named in the request through its ``TransferKV`` call; a refusal there
-(pool full, fingerprint mismatch) comes back to the gateway with the decode worker's status.
+is streamed to the decode worker named in the request through its ``TransferKV`` call, as chunks serialized
+by ``kv_wire_codec`` (one copy per chunk, no protobuf objects) and sent through ``GrpcKVSender``; a
+refusal there (pool full, fingerprint mismatch) comes back to the gateway with the decode worker's status.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import VlkvError
 from vlkv.common.grpc_server import abort_on_error, channel_options
-from vlkv.common.kv_wire import encode_compact_kv, model_fingerprint
+from vlkv.common.kv_wire import KVWireError, encode_compact_kv, model_fingerprint
 from vlkv.common.processing import decode_images
 from vlkv.common.sampling import sampling_from_proto
+from vlkv.common.transport import GrpcKVSender
 from vlkv.prefill_worker.prefill import PrefillEngine
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -54,14 +56,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await ch.close()
         self._executor.shutdown(wait=True)
 
-    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+    def _sender(self, address: str) -> GrpcKVSender:
+        """A ``TransferKV`` sender on the channel kept open to each decode worker."""
         ch = self._channels.get(address)
         if ch is None:
             ch = grpc.aio.insecure_channel(
                 address, options=channel_options(self.cfg.limits.max_message_bytes)
             )
             self._channels[address] = ch
-        return worker_pb2_grpc.DecodeWorkerStub(ch)
+        t = self.cfg.transfer
+        return GrpcKVSender(ch, chunk_bytes=t.chunk_bytes, timeout_s=t.deadline_s)
 
     @abort_on_error
     async def Prefill(self, request, context):
@@ -89,16 +93,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             vision_tokens=result.modality.num_vision_tokens,
             policy=result.policy,
             chunk_bytes=self.cfg.transfer.chunk_bytes,
+            wire=True,  # serialized chunks, encoded lazily as gRPC flow control admits them
         )
         start = time.perf_counter()
         try:
-            await self._stub(request.decode_address).TransferKV(chunks, timeout=self.cfg.transfer.deadline_s)
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
+            await self._sender(request.decode_address).send_chunks(chunks)
+        except KVWireError as exc:  # the decode worker's (or the transport's) status and details
+            code = exc.code
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                msg = f"KV hand-off to decode worker {request.decode_address} failed: {exc.details()}"
+                msg = f"KV hand-off to decode worker {request.decode_address} failed: {exc.message}"
                 raise VlkvError(msg, grpc.StatusCode.UNAVAILABLE) from None
-            raise VlkvError(f"decode worker refused the cache: {exc.details()}", code) from None
+            raise VlkvError(f"decode worker refused the cache: {exc.message}", code) from None
         transfer_ms = (time.perf_counter() - start) * 1000
         return worker_pb2.PrefillReply(
             prompt_tokens=result.modality.m,

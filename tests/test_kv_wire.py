@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import types
-import zlib
 
 import grpc
+import numpy as np
 import pytest
 import torch
+from google_crc32c import python as crc32c_python
 from vlkv.common import kv_wire_codec
 from vlkv.common.kv_wire import (
     KVWireError,
@@ -17,7 +18,7 @@ from vlkv.common.kv_wire import (
     model_fingerprint,
     model_kv_layout,
 )
-from vlkv.common.kv_wire_codec import parse_data_wire
+from vlkv.common.kv_wire_codec import CRC32C_IMPLEMENTATION, crc32c, parse_data_wire
 from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
 from vlkv.v1 import kv_pb2, worker_pb2
 
@@ -74,7 +75,28 @@ def test_chunks_split_layers_unevenly():
     assert [(d.tensor, d.offset, len(d.data)) for d in data] == [
         (0, 0, 40), (0, 40, 40), (0, 80, 16), (1, 0, 40), (1, 40, 40), (1, 80, 16),
     ]  # fmt: skip
-    assert all(zlib.crc32(d.data) == d.crc32 for d in data)
+    assert all(crc32c(d.data) == d.crc32c for d in data)
+
+
+def test_crc32c_is_castagnoli_in_hardware_on_any_buffer():
+    assert CRC32C_IMPLEMENTATION == "c"  # the wheel's C extension, not the pure-Python fallback
+    vectors = {  # RFC 3720 B.4 and the usual check value
+        b"123456789": 0xE3069283,
+        bytes(32): 0x8A9136AA,
+        b"\xff" * 32: 0x62A8AB43,
+        bytes(range(32)): 0x46DD794E,
+        b"": 0,
+    }
+    for data, want in vectors.items():
+        assert crc32c(data) == want
+        assert crc32c(bytearray(data)) == crc32c(memoryview(data)) == want
+        assert crc32c_python.value(data) == want  # the fallback agrees
+    blob = bytes(range(256)) * 8
+    arr = np.frombuffer(blob, dtype=np.uint8)
+    for lo, hi in [(0, 2048), (3, 1001), (1000, 1000), (7, 8)]:  # unaligned slices, zero-copy views
+        assert crc32c(memoryview(blob)[lo:hi]) == crc32c(arr[lo:hi]) == crc32c(blob[lo:hi])
+    t = torch.arange(100, dtype=torch.bfloat16)
+    assert crc32c(memoryview(t.view(torch.uint8).numpy())) == crc32c(t.view(torch.uint8).numpy().tobytes())
 
 
 @pytest.fixture
@@ -100,8 +122,81 @@ def test_wire_encoding_is_protobufs_and_feed_wire_round_trips(dtype):
     assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
 
 
+def _address_range(raw: bytes) -> range:
+    start = np.frombuffer(raw, dtype=np.uint8).ctypes.data
+    return range(start, start + len(raw))
+
+
+def test_whole_tensor_chunks_are_views_of_received_bytes_and_reused_buffers_are_copied():
+    ckv = make_ckv(torch.bfloat16, [2, 5, 9], m=9)  # layer 2: 288-byte tensors, split by 200-byte chunks
+    layers = list(zip(ckv.keys, ckv.values, strict=True))
+    wire = list(encode_stream(encode(ckv)[0], layers, 200, wire=True))
+    asm = FakePool().assembler(ckv)
+    for w in wire:
+        asm.feed_wire(w)
+    _, out = asm.finish()
+    spans = [_address_range(w) for w in wire]
+    shared = [any(t.data_ptr() in r for r in spans) for t in out.keys + out.values]
+    assert shared == [True, True, False, True, True, False]  # layers 0-1 whole in one chunk: no copy
+    assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
+
+    buf = bytearray(1 << 12)  # a receive buffer the caller reuses (the benchmark's TCP path does)
+    asm = FakePool().assembler(ckv)
+    for w in wire:
+        buf[: len(w)] = w
+        asm.feed_wire(memoryview(buf)[: len(w)])
+    buf[:] = bytes(len(buf))
+    _, out = asm.finish()
+    assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
+
+
+def test_decode_service_takes_transferkv_as_bytes_from_any_sender():
+    """``add_decode_servicer``: TransferKV sees raw bytes, whether the client is the generated stub
+    (KVChunk messages) or ``GrpcKVSender`` (pre-encoded); the other methods keep their messages."""
+    from vlkv.decode_worker.server import add_decode_servicer
+    from vlkv.v1 import worker_pb2_grpc
+
+    ckv = make_ckv(torch.float16, [3, 40], m=40)
+    seen: list[type] = []
+
+    class Recorder(worker_pb2_grpc.DecodeWorkerServicer):
+        async def TransferKV(self, requests, context):
+            pool = FakePool()
+            asm = pool.assembler(ckv)
+            async for raw in requests:
+                seen.append(type(raw))
+                asm.feed_wire(raw)
+            asm.finish()
+            return worker_pb2.TransferAck(bytes_received=asm.bytes_received, blocks_allocated=2)
+
+        async def GetLoad(self, request, context):
+            assert isinstance(request, worker_pb2.LoadRequest)
+            return worker_pb2.WorkerLoad(address="here")
+
+    async def main():
+        server = grpc.aio.server(options=grpc_message_options(1 << 16))
+        add_decode_servicer(Recorder(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+                acks = [await stub.TransferKV(iter(encode(ckv, 100)))]
+                header = encode(ckv)[0]
+                sender = GrpcKVSender(ch, chunk_bytes=100)
+                acks.append(await sender.send(header, zip(ckv.keys, ckv.values, strict=True)))
+                load = await stub.GetLoad(worker_pb2.LoadRequest())
+        finally:
+            await server.stop(0.5)
+        return acks, load
+
+    acks, load = asyncio.run(main())
+    assert [a.bytes_received for a in acks] == [ckv.nbytes] * 2 and load.address == "here"
+    assert set(seen) == {bytes} and len(seen) == 2 * len(encode(ckv, 100))
+
+
 def test_wire_zero_crc_is_omitted_like_protobuf(monkeypatch):
-    monkeypatch.setattr(kv_wire_codec, "zlib", types.SimpleNamespace(crc32=lambda _: 0))
+    monkeypatch.setattr(kv_wire_codec, "crc32c", lambda _: 0)
     raw = kv_wire_codec.encode_data_wire(0, 0, 0, memoryview(b"abc"))
     assert raw == kv_pb2.KVChunk(data=kv_pb2.KVData(data=b"abc")).SerializeToString()
     assert parse_data_wire(raw)[4] == 0 and bytes(parse_data_wire(raw)[3]) == b"abc"
@@ -189,8 +284,10 @@ def test_wrong_fingerprint_refused_before_allocation(case):
 
 
 def _data(layer=0, tensor=0, offset=0, data=b"x" * 4, crc=None) -> kv_pb2.KVChunk:
-    crc = zlib.crc32(data) if crc is None else crc
-    return kv_pb2.KVChunk(data=kv_pb2.KVData(layer=layer, tensor=tensor, offset=offset, data=data, crc32=crc))
+    crc = crc32c(data) if crc is None else crc
+    return kv_pb2.KVChunk(
+        data=kv_pb2.KVData(layer=layer, tensor=tensor, offset=offset, data=data, crc32c=crc)
+    )
 
 
 @pytest.mark.parametrize(
@@ -317,7 +414,7 @@ def test_grpc_errors_reach_the_client_and_free_blocks():
     ckv = make_ckv(torch.float16, [2, 3])
     pool = FakePool()
     chunks = encode(ckv, 16)
-    chunks[2].data.crc32 ^= 1
+    chunks[2].data.crc32c ^= 1
     with pytest.raises(KVWireError) as exc:
         asyncio.run(_grpc_transfer(ckv, chunks, pool, []))
     assert exc.value.code == DL

@@ -21,7 +21,7 @@ from tests.kv_wire_helpers import FakePool, bits_equal, encode, make_ckv
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BIG = st.integers(0, 2**32 - 1)
 FIELDS = {
-    "data": ["layer", "tensor", "offset", "crc32"],
+    "data": ["layer", "tensor", "offset", "crc32c"],
     "header": ["format_version", "num_layers", "num_kv_heads", "head_dim", "prompt_length"],
     "trailer": ["num_chunks", "total_bytes"],
 }
@@ -164,4 +164,4 @@ def test_wire_parser_agrees_with_protobuf(blob):
     chunk = kv_pb2.KVChunk.FromString(blob)  # whatever the fast path accepts, protobuf must parse
     assert chunk.WhichOneof("part") == "data"
     d = chunk.data
-    assert (d.layer, d.tensor, d.offset, d.data, d.crc32) == (*fields[:3], bytes(fields[3]), fields[4])
+    assert (d.layer, d.tensor, d.offset, d.data, d.crc32c) == (*fields[:3], bytes(fields[3]), fields[4])

@@ -60,18 +60,18 @@ class KVHeader(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_lengths: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class KVData(_message.Message):
-    __slots__ = ("layer", "tensor", "offset", "data", "crc32")
+    __slots__ = ("layer", "tensor", "offset", "data", "crc32c")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     layer: int
     tensor: KVTensor
     offset: int
     data: bytes
-    crc32: int
-    def __init__(self, layer: _Optional[int] = ..., tensor: _Optional[_Union[KVTensor, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, layer: _Optional[int] = ..., tensor: _Optional[_Union[KVTensor, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
     __slots__ = ("num_chunks", "total_bytes")

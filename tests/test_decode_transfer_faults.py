@@ -8,12 +8,12 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-
-from tests.inproc_cluster import InProcCluster
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.kv_wire import encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+
+from tests.inproc_cluster import InProcCluster
 
 
 @pytest.fixture(scope="module")

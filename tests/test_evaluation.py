@@ -6,12 +6,12 @@ import io
 
 import pytest
 import torch
-
-from tests.inproc_cluster import InProcCluster
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.synthetic_task import make_examples, prompt_text
 from vlkv.services.client import build_request, generate
 from vlkv.services.evaluation import cache_hit_rate, compress, decode_batch, prepare
+
+from tests.inproc_cluster import InProcCluster
 
 
 @pytest.fixture(scope="module")

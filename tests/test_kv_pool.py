@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from vlkv.decode_worker.kv_pool import KVPool
 
 

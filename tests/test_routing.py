@@ -6,14 +6,14 @@ import asyncio
 
 import grpc
 import pytest
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_decode_transfer_faults import _stream
-from tests.test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.services.app import start_decode_worker
 from vlkv.services.client import build_request, generate
 from vlkv.v1 import worker_pb2_grpc
+
+from tests.inproc_cluster import InProcCluster
+from tests.test_decode_transfer_faults import _stream
+from tests.test_e2e_equality import random_png
 
 
 @pytest.fixture(scope="module")

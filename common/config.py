@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from vlkv.common.errors import ConfigError
+from vlkv.common.security import SecurityConfig
+
+__all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where callers look for them
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range or inconsistent."""
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -109,12 +109,14 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     pool: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     host: str = "127.0.0.1"
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
+        self.security.check_exposure(self.host)
         _check(  # one KV chunk plus its framing (transport.MESSAGE_OVERHEAD_BYTES) fits in a message
             self.transfer.chunk_bytes + (1 << 17) <= self.limits.max_message_bytes,
             "transfer.chunk_bytes + 128 KiB must be <= limits.max_message_bytes",

@@ -5,6 +5,10 @@ from __future__ import annotations
 import grpc
 
 
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
 class VlkvError(Exception):
     """An error with a defined gRPC status code; servers abort the call with it."""
 

@@ -24,8 +24,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class Server:
     """A grpc.aio server with the standard health service and reflection for ``service_names``."""
 
-    def __init__(self, host: str, port: int, service_names: list[str], max_message_bytes: int) -> None:
-        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: list[str],
+        max_message_bytes: int,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: tuple = (),
+    ) -> None:
+        self.server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
@@ -37,7 +45,11 @@ class Server:
             ],
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        bind = f"{host}:{port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(bind)
+        else:
+            self.port = self.server.add_secure_port(bind, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
@@ -53,6 +65,15 @@ class Server:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def make_channel(address: str, security, max_message_bytes: int) -> grpc.aio.Channel:
+    """An internal channel: TLS (with our client certificate under mutual TLS) when configured."""
+    options = channel_options(max_message_bytes)
+    creds = security.channel_credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 def abort_on_error(method):

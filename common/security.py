@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from vlkv.common.config import ConfigError
+from vlkv.common.errors import ConfigError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 UNAUTHENTICATED_EXEMPT = ("/grpc.health.v1.Health/",)

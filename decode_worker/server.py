@@ -17,6 +17,7 @@ import asyncio
 import logging
 
 import grpc
+from vlkv.common import logs
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
@@ -89,6 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     assembler.feed(chunk)
                 if not rid and assembler.header is not None:
                     rid = assembler.header.request_id
+                    logs.request_id.set(rid)
                     self._in_transfer.add(rid)
             header, ckv = assembler.finish()
         except KVWireError as exc:
@@ -178,6 +180,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         if not request.request_id:
             raise VlkvError("request_id is required", grpc.StatusCode.INVALID_ARGUMENT)
+        logs.request_id.set(request.request_id)
         seq = await self._claim(request.request_id, request.wait_ms)
         try:
             self.engine.submit(seq)

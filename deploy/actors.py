@@ -14,7 +14,9 @@ from vlkv.common.config import ServerConfig
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from vlkv.common.logs import setup_logging
+
+    setup_logging(logging.INFO, json_lines=True)
 
 
 class _WorkerActor:

@@ -79,7 +79,8 @@ def check_paged_values(block_tables: Tensor, lengths: Tensor, n_blocks: int, pag
 def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A reusable per-thread buffer: fresh multi-MB allocations page-fault on every decode step."""
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
-    numel, key = math.prod(shape), (slot, dtype, device)
+    # Inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer per mode.
+    numel, key = math.prod(shape), (slot, dtype, device, torch.is_inference_mode_enabled())
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)

@@ -15,10 +15,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from vlkv.common import logs
 from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import VlkvError
-from vlkv.common.grpc_server import abort_on_error, channel_options
+from vlkv.common.grpc_server import abort_on_error, make_channel
 from vlkv.common.kv_wire import KVWireError, encode_compact_kv, model_fingerprint
 from vlkv.common.processing import decode_images
 from vlkv.common.sampling import sampling_from_proto
@@ -60,9 +61,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """A ``TransferKV`` sender on the channel kept open to each decode worker."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(
-                address, options=channel_options(self.cfg.limits.max_message_bytes)
-            )
+            ch = make_channel(address, self.cfg.security, self.cfg.limits.max_message_bytes)
             self._channels[address] = ch
         t = self.cfg.transfer
         return GrpcKVSender(ch, chunk_bytes=t.chunk_bytes, timeout_s=t.deadline_s)
@@ -71,6 +70,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request, context):
         if not request.request_id or not request.decode_address:
             raise VlkvError("request_id and decode_address are required", grpc.StatusCode.INVALID_ARGUMENT)
+        logs.request_id.set(request.request_id)
         sampling = sampling_from_proto(request.sampling, self.cfg.limits)
         compression = compression_from_proto(request.compression)
         images = decode_images(list(request.images), self.cfg.limits)

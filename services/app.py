@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from vlkv.common.config import ServerConfig
 from vlkv.common.grpc_server import Server
 from vlkv.common.model_loading import load_model, load_processor
+from vlkv.common.security import BearerTokenInterceptor
 from vlkv.common.transport import tune_malloc
 from vlkv.decode_worker.server import DecodeServicer, add_decode_servicer
 from vlkv.prefill_worker.server import PrefillServicer
@@ -64,7 +65,11 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
     processor = processor if processor is not None else load_processor(cfg.model.path)
     servicer = PrefillServicer(model, processor, cfg)
     server = Server(
-        cfg.host, port, [_service_name(worker_pb2, "PrefillWorker")], cfg.limits.max_message_bytes
+        cfg.host,
+        port,
+        [_service_name(worker_pb2, "PrefillWorker")],
+        cfg.limits.max_message_bytes,
+        credentials=cfg.security.server_credentials(internal=True),
     )
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address
@@ -79,7 +84,13 @@ async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, toke
     model = model if model is not None else load_model(cfg.model)
     tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
     servicer = DecodeServicer(model, tokenizer, cfg)
-    server = Server(cfg.host, port, [_service_name(worker_pb2, "DecodeWorker")], cfg.limits.max_message_bytes)
+    server = Server(
+        cfg.host,
+        port,
+        [_service_name(worker_pb2, "DecodeWorker")],
+        cfg.limits.max_message_bytes,
+        credentials=cfg.security.server_credentials(internal=True),
+    )
     add_decode_servicer(servicer, server.server)  # TransferKV on raw bytes: the zero-copy path
     servicer.address = server.address
     await servicer.start()
@@ -93,14 +104,22 @@ async def start_gateway(
 ) -> Running:
     processor = processor if processor is not None else load_processor(cfg.model.path)
     model_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-    router = Router(cfg.limits.max_message_bytes)
+    router = Router(cfg.limits.max_message_bytes, cfg.security)
     for a in prefill:
         router.add_prefill(a)
     for a in decode:
         router.add_decode(a)
     servicer = GatewayServicer(processor, model_config, cfg, router)
     names = [_service_name(generate_pb2, "Generation"), _service_name(admin_pb2, "Admin")]
-    server = Server(cfg.host, port, names, cfg.limits.max_message_bytes)
+    token = cfg.security.api_token
+    server = Server(
+        cfg.host,
+        port,
+        names,
+        cfg.limits.max_message_bytes,
+        credentials=cfg.security.server_credentials(internal=False),
+        interceptors=(BearerTokenInterceptor(token),) if token else (),
+    )
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
     admin = AdminServicer(servicer)
     admin_pb2_grpc.add_AdminServicer_to_server(admin, server.server)

@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import io
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
-from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, SecurityConfig, ServerConfig
 
 POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv, random, full"
 
@@ -18,6 +19,13 @@ POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv
 def _server_config(args) -> ServerConfig:
     return ServerConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device, torch_threads=args.threads),
+        security=SecurityConfig(
+            cert=args.tls_cert,
+            key=args.tls_key,
+            ca=args.tls_ca,
+            mutual_tls=args.mtls,
+            api_token=args.api_token,
+        ),
         pool=PoolConfig(
             pool_bytes=int(args.pool_mb * (1 << 20)), block_size=args.block_size, max_batch=args.max_batch
         ),
@@ -49,6 +57,22 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one decode step")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
+    p.add_argument(
+        "--tls-cert", default="", help="PEM certificate: TLS on every server (public and internal)"
+    )
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default="", help="PEM CA bundle that signed the workers' certificates")
+    p.add_argument("--mtls", action="store_true", help="workers require and verify client certificates")
+    p.add_argument(
+        "--api-token", default=os.environ.get("VLKV_API_TOKEN", ""), help="bearer token for clients"
+    )
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--token", default=os.environ.get("VLKV_API_TOKEN", ""), help="bearer token (or VLKV_API_TOKEN)"
+    )
+    p.add_argument("--tls-ca", default="", help="PEM CA bundle to verify the gateway (enables TLS)")
 
 
 def _add_request_flags(p: argparse.ArgumentParser) -> None:
@@ -128,7 +152,7 @@ def cmd_generate(args) -> int:
         req = build_request(images=images, question=args.prompt, **_request_kwargs(args))
     else:
         req = build_request(prompt=args.prompt, images=images, **_request_kwargs(args))
-    channel, stub = connect(args.address)
+    channel, stub = connect(args.address, token=args.token, ca=args.tls_ca)
     try:
         for resp in stream(stub, req, timeout=args.timeout):
             if resp.HasField("token"):
@@ -169,7 +193,7 @@ def cmd_demo(args) -> int:
     examples = make_examples(args.n, seed=args.seed, split="heldout")
 
     async def body(cluster) -> int:
-        channel, stub = connect(cluster.address)
+        channel, stub = connect(cluster.address, token=args.api_token, ca=args.tls_ca)
         correct = 0
         try:
             for i, ex in enumerate(examples):
@@ -204,9 +228,10 @@ def cmd_status(args) -> int:
     import time
 
     import grpc
+    from vlkv.services.client import open_channel
     from vlkv.v1 import admin_pb2, admin_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args.address, token=args.token, ca=args.tls_ca) as channel:
         try:
             st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)
         except grpc.RpcError as exc:
@@ -255,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("generate", help="send one request to a running gateway and stream the answer")
     p.add_argument("--address", default="127.0.0.1:50051")
+    _add_client_flags(p)
     p.add_argument("--image", action="append", default=[], help="PNG/JPEG file (repeatable)")
     p.add_argument("--prompt", required=True, help='prompt text; "<image>" marks each image unless --chat')
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat turn after the images")
@@ -274,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("status", help="workers, their load, KV pool occupancy and requests in flight")
     p.add_argument("--address", default="127.0.0.1:50051")
+    _add_client_flags(p)
     p.add_argument("--events", type=int, default=20, help="scaling events to show")
     p.set_defaults(func=cmd_status)
 
@@ -302,7 +329,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    from vlkv.common.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"vlkv: configuration error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

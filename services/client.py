@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
@@ -81,12 +82,27 @@ def generate(stub, request, timeout: float | None = None) -> Result:
     return out
 
 
-def connect(
-    address: str, max_message_bytes: int = 64 << 20
-) -> tuple[grpc.Channel, generate_pb2_grpc.GenerationStub]:
+def open_channel(
+    address: str, max_message_bytes: int = 64 << 20, *, token: str = "", ca: str = ""
+) -> grpc.Channel:
+    """A channel to the gateway: TLS when ``ca`` (a PEM file) is given; ``token`` is sent as a bearer token."""
     opts = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
-    channel = grpc.insecure_channel(address, options=opts)
+    if ca:
+        creds = grpc.ssl_channel_credentials(Path(ca).read_bytes())
+    elif token:  # plaintext on loopback: local credentials still carry the token
+        creds = grpc.local_channel_credentials()
+    else:
+        return grpc.insecure_channel(address, options=opts)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return grpc.secure_channel(address, creds, options=opts)
+
+
+def connect(
+    address: str, max_message_bytes: int = 64 << 20, *, token: str = "", ca: str = ""
+) -> tuple[grpc.Channel, generate_pb2_grpc.GenerationStub]:
+    channel = open_channel(address, max_message_bytes, token=token, ca=ca)
     return channel, generate_pb2_grpc.GenerationStub(channel)

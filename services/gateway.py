@@ -17,6 +17,7 @@ import time
 import uuid
 
 import grpc
+from vlkv.common import logs
 from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import InvalidInput, VlkvError
@@ -109,6 +110,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
     async def _generate(self, request, start: float):
         prompt, sampling, compression, m = self._validate(request)
         rid = request.request_id or uuid.uuid4().hex
+        logs.request_id.set(rid)
         kept = m if compression.is_full else min(m, math.ceil(compression.budget * m))
         decode = await self.router.pick_decode([kept] * self.num_layers, sampling.max_new_tokens)
         prefill_req = worker_pb2.PrefillRequest(

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from vlkv.common.errors import ResourceExhausted, Unavailable
-from vlkv.common.grpc_server import channel_options
+from vlkv.common.grpc_server import make_channel
+from vlkv.common.security import SecurityConfig
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,15 @@ class Worker:
 
 
 class Router:
-    def __init__(self, max_message_bytes: int) -> None:
-        self._options = channel_options(max_message_bytes)
+    def __init__(self, max_message_bytes: int, security=None) -> None:
+        self._max_message_bytes = max_message_bytes
+        self._security = security if security is not None else SecurityConfig()
         self.prefill: dict[str, Worker] = {}
         self.decode: dict[str, Worker] = {}
 
     def _add(self, pool: dict[str, Worker], address: str, stub_cls) -> None:
         if address not in pool:
-            ch = grpc.aio.insecure_channel(address, options=self._options)
+            ch = make_channel(address, self._security, self._max_message_bytes)
             pool[address] = Worker(address, ch, stub_cls(ch))
 
     def add_prefill(self, address: str) -> None:

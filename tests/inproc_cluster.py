@@ -17,7 +17,7 @@ from vlkv.v1 import generate_pb2_grpc
 
 
 class InProcCluster:
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, client: bool = True) -> None:
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -29,8 +29,8 @@ class InProcCluster:
         self.gateway = self.run(
             start_gateway(cfg, [self.prefill.address], [self.decode.address], processor=self.processor)
         )
-        self.channel = grpc.insecure_channel(self.gateway.address)
-        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.channel = grpc.insecure_channel(self.gateway.address) if client else None
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel) if client else None
 
     def run(self, coro, timeout: float = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -40,7 +40,8 @@ class InProcCluster:
         return self.decode.servicer.pool
 
     def close(self) -> None:
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
         for r in (self.gateway, self.prefill, self.decode):
             self.run(r.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -49,3 +49,26 @@ def test_metrics_and_status_reflect_requests(cluster):
     assert 'vlkv_requests_total{status="INVALID_ARGUMENT"} 1.0' in body
     assert "vlkv_ttft_seconds_count 1.0" in body
     assert "vlkv_decode_pool_occupancy" in body and "vlkv_compression_ratio_bucket" in body
+
+
+def test_log_lines_carry_the_request_id():
+    import io
+    import json
+    import logging
+
+    from vlkv.common import logs
+
+    stream = io.StringIO()
+    logs.setup_logging(logging.INFO, json_lines=True)
+    handler = logging.getLogger().handlers[0]
+    handler.setStream(stream)
+    try:
+        token = logs.request_id.set("req-42")
+        logging.getLogger("vlkv.test").warning("hello %s", "there")
+        logs.request_id.reset(token)
+        logging.getLogger("vlkv.test").warning("outside")
+    finally:
+        logging.getLogger().handlers[:] = []
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["request_id"] == "req-42" and first["msg"] == "hello there" and first["level"] == "WARNING"
+    assert second["request_id"] == "-"

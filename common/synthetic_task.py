@@ -1,22 +1,34 @@
 """Synthetic visual question task for tiny LLaVA models (content-keyed questions, multi-token answers).
 
-Each image is ``IMAGE_SIZE`` x ``IMAGE_SIZE`` on a dark background, divided into a ``GRID`` x ``GRID`` grid of
-cells that line up with the vision tower's patches (one shape per cell, so one vision token per shape).
-Questions are keyed to *content* (a shape or a colour), never to grid position, and always come after the
-image(s) in the prompt. Answers are short sentences whose deciding word is NOT the first generated token
-("it is blue .", "it is a circle .", "there are three ."): the first token is produced by the prefill
-forward with the full cache, so only the later tokens show what KV compression kept.
+Each image is ``IMAGE_SIZE`` x ``IMAGE_SIZE`` pixels on a dark background and is seen by the vision tower as a
+``GRID`` x ``GRID`` grid of ``PATCH_SIZE`` patches (36 vision tokens). It holds 1-4 shapes (square, circle,
+triangle, cross) in 5 colours; each shape covers ``SPAN`` x ``SPAN`` patches (4 vision tokens) at a random
+patch-aligned place and has a light outline, so its shape is visible independently of its colour. Within
+one image the shapes are pairwise distinct and so are the colours.
+
+Questions are keyed to *content* (a shape), never to grid position, and always come after the image(s).
+Answers are short phrases whose deciding word is the THIRD generated token, never the first: the first token
+comes from the prefill forward with the full cache, so only later tokens show what KV compression kept.
 
 Kinds:
 
-- ``colour_of_shape``      1 image:  "what colour is the square ?"        -> "it is blue ."
-- ``shape_of_colour``      1 image:  "what shape is the red one ?"        -> "it is a circle ."
-- ``count``                1 image:  "how many shapes are there ?"        -> "there are three ."
-- ``colour_of_shape_2img`` 2 images: "what colour is the triangle ?"      (the triangle is in exactly one
-  of the two images)                                                      -> "it is green ."
-- ``shape_of_colour_2img`` 2 images: "what shape is the yellow one ?"     (unique across both images)
+- ``colour_of_shape``      1 image:  "what colour is the square ?"   -> "the square blue ."
+- ``count``                1 image:  "how many shapes are there ?"   -> "there are three ." / "there is one ."
+- ``colour_of_shape_2img`` 2 images: "what colour is the triangle ?" -> "the triangle green ."
+  (the only triangle in the two images; the other image may repeat its colour)
 
-Splits are disjoint by seed space: every example is drawn from its own ``random.Random`` keyed by
+What made this learnable on a 2-core CPU budget (from-scratch ~0.7M-parameter LLaVA):
+
+- the answer repeats the key right before the deciding word, so the look-up happens at the key token
+  itself (one hop). With "it is blue ." the model stayed at "some colour in the image" for 800+ steps;
+- shapes have a light outline, which carries the shape independently of the colour; without it even a
+  one-shape "what shape is it" stayed at chance for 700 steps;
+- one-shape scenes are part of the mix (they teach the colour read-out first);
+- each shape covers 2x2 patches (4 vision tokens), not one.
+- "what shape is the red one ?" (the other look-up direction) is deliberately absent: mixed with
+  colour-of-shape questions it kept colour-of-shape below chance for 1500 steps.
+
+Splits are disjoint by seed space: every example is drawn from its own ``random.Random`` keyed by the string
 ``(split, seed, index)``.
 """
 
@@ -33,8 +45,10 @@ from PIL import Image, ImageDraw
 IMAGE_SIZE = 72
 PATCH_SIZE = 12
 GRID = IMAGE_SIZE // PATCH_SIZE  # 6x6 patches = 36 vision tokens per image
+TOKENS_PER_IMAGE = GRID * GRID
 SPAN = 2  # each shape covers SPAN x SPAN patches (4 vision tokens), aligned to patch boundaries
 BOX = SPAN * PATCH_SIZE
+MAX_NEW_TOKENS = 6  # answers are 4 words + eos
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -46,15 +60,17 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES = ["square", "circle", "triangle", "cross"]
 NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four"}
 BACKGROUND = (30, 30, 30)
+OUTLINE = (255, 255, 255)
+OUTLINE_WIDTH = 2
 
-KINDS = ["colour_of_shape", "shape_of_colour", "count", "colour_of_shape_2img", "shape_of_colour_2img"]
-# Sampling weights of the kinds (about 30% two-image prompts).
-KIND_WEIGHTS = [0.25, 0.25, 0.2, 0.15, 0.15]
+# The shipped default model was trained on these three kinds; ``shape_of_colour`` (the reverse look-up) is
+# implemented below but kept out of the mix: with it, colour_of_shape stayed below chance (see above).
+KINDS = ["colour_of_shape", "count", "colour_of_shape_2img"]
+KIND_WEIGHTS = [0.45, 0.2, 0.35]
 
-_FIXED_WORDS = "what colour shape is the one how many shapes are there it a".split()
-VOCAB: list[str] = list(
-    dict.fromkeys([*_FIXED_WORDS, *COLOURS, *SHAPES, *NUMBERS.values(), "?", "."])
-)  # all task words (the tokenizer adds special tokens and chat-frame words)
+_FIXED_WORDS = "what colour shape is the one how many shapes are there".split()
+VOCAB: list[str] = list(dict.fromkeys([*_FIXED_WORDS, *COLOURS, *SHAPES, *NUMBERS.values(), "?", "."]))
+"""All task words (the tokenizer adds the special tokens and the chat-frame words)."""
 
 CATEGORY_WORDS = {
     "colour": set(COLOURS),
@@ -67,14 +83,23 @@ CATEGORY_WORDS = {
 class Obj:
     shape: str
     colour: str
-    cell: tuple[int, int]  # (row, col); only used for drawing
+    cell: tuple[int, int]  # (row, col) of the top-left patch; only used for drawing
+
+
+@dataclass(frozen=True)
+class QA:
+    kind: str
+    question: str
+    answer: str
+    target: str  # the deciding word
+    category: str  # "colour" | "shape" | "number"
 
 
 @dataclass
 class Example:
     images: list[Image.Image]
     question: str  # text after the image(s)
-    answer: str  # full target sentence, e.g. "it is blue ."
+    answer: str  # full target answer, e.g. "the square blue ."
     target: str  # the deciding word, e.g. "blue"
     category: str  # "colour" | "shape" | "number"
     kind: str
@@ -87,27 +112,85 @@ class Example:
         return [{"role": "user", "content": content}]
 
 
+# --- questions ------------------------------------------------------------------------------------------
+
+
+def qa_colour_of_shape(obj: Obj, two_images: bool = False) -> QA:
+    kind = "colour_of_shape_2img" if two_images else "colour_of_shape"
+    return QA(
+        kind, f"what colour is the {obj.shape} ?", f"the {obj.shape} {obj.colour} .", obj.colour, "colour"
+    )
+
+
+def qa_shape_of_colour(obj: Obj, two_images: bool = False) -> QA:
+    kind = "shape_of_colour_2img" if two_images else "shape_of_colour"
+    return QA(
+        kind, f"what shape is the {obj.colour} one ?", f"the {obj.colour} {obj.shape} .", obj.shape, "shape"
+    )
+
+
+def qa_count(n: int) -> QA:
+    verb = "is" if n == 1 else "are"
+    return QA("count", "how many shapes are there ?", f"there {verb} {NUMBERS[n]} .", NUMBERS[n], "number")
+
+
+def scene_questions(objects: list[list[Obj]]) -> list[QA]:
+    """Every well-posed question about a scene of one or two images (keys that occur exactly once)."""
+    flat = [o for objs in objects for o in objs]
+    two = len(objects) == 2
+    shape_counts = Counter(o.shape for o in flat)
+    colour_counts = Counter(o.colour for o in flat)
+    out: list[QA] = []
+    for o in flat:
+        if shape_counts[o.shape] == 1:
+            out.append(qa_colour_of_shape(o, two))
+        if colour_counts[o.colour] == 1:
+            out.append(qa_shape_of_colour(o, two))
+    if not two:
+        out.append(qa_count(len(flat)))
+    return out
+
+
+# --- images ---------------------------------------------------------------------------------------------
+
+
 def _draw_shape(draw: ImageDraw.ImageDraw, obj: Obj, rgb: tuple[int, int, int]) -> None:
+    """A coloured shape with a light outline: the outline carries the shape independently of the colour."""
     r, c = obj.cell
     x0, y0 = c * PATCH_SIZE, r * PATCH_SIZE
     x1, y1 = x0 + BOX - 1, y0 + BOX - 1
+    style = dict(fill=rgb, outline=OUTLINE, width=OUTLINE_WIDTH)
     if obj.shape == "square":
-        draw.rectangle([x0 + 3, y0 + 3, x1 - 3, y1 - 3], fill=rgb)
+        draw.rectangle([x0 + 2, y0 + 2, x1 - 2, y1 - 2], **style)
     elif obj.shape == "circle":
-        draw.ellipse([x0 + 1, y0 + 1, x1 - 1, y1 - 1], fill=rgb)
+        draw.ellipse([x0 + 1, y0 + 1, x1 - 1, y1 - 1], **style)
     elif obj.shape == "triangle":
-        draw.polygon([((x0 + x1) / 2, y0 + 1), (x0 + 1, y1 - 1), (x1 - 1, y1 - 1)], fill=rgb)
+        draw.polygon([((x0 + x1) / 2, y0 + 1), (x0 + 1, y1 - 1), (x1 - 1, y1 - 1)], **style)
     elif obj.shape == "cross":
-        arm = BOX // 6  # half-width of the bars
+        a = BOX // 5  # half-width of the bars
         mx, my = x0 + BOX // 2, y0 + BOX // 2
-        draw.rectangle([mx - arm, y0 + 1, mx + arm - 1, y1 - 1], fill=rgb)
-        draw.rectangle([x0 + 1, my - arm, x1 - 1, my + arm - 1], fill=rgb)
+        lf, tp, rt, bt = x0 + 1, y0 + 1, x1 - 1, y1 - 1
+        pts = [
+            (mx - a, tp),
+            (mx + a, tp),
+            (mx + a, my - a),
+            (rt, my - a),
+            (rt, my + a),
+            (mx + a, my + a),
+            (mx + a, bt),
+            (mx - a, bt),
+            (mx - a, my + a),
+            (lf, my + a),
+            (lf, my - a),
+            (mx - a, my - a),
+        ]
+        draw.polygon(pts, **style)
     else:  # pragma: no cover - guarded by SHAPES
         raise ValueError(obj.shape)
 
 
 def render_image(objects: list[Obj], rng: random.Random) -> Image.Image:
-    """Draw objects on a plain background; colours get a small per-object jitter."""
+    """Draw objects on a plain background; background and colours get a small jitter."""
     bg = tuple(max(0, min(255, v + rng.randint(-6, 6))) for v in BACKGROUND)
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), bg)
     draw = ImageDraw.Draw(img)
@@ -132,123 +215,45 @@ def _place(rng: random.Random, pairs: list[tuple[str, str]]) -> list[Obj]:
             return objs
 
 
-def _single_scene(rng: random.Random, n: int) -> list[Obj]:
-    """n objects with pairwise distinct shapes and pairwise distinct colours."""
-    shapes = rng.sample(SHAPES, n)
-    colours = rng.sample(list(COLOURS), n)
+def _scene(
+    rng: random.Random, n: int, avoid_shape: str | None = None, avoid_colour: str | None = None
+) -> list[Obj]:
+    """n objects with pairwise distinct shapes and colours, none of ``avoid_shape`` / ``avoid_colour``."""
+    shapes = rng.sample([s for s in SHAPES if s != avoid_shape], n)
+    colours = rng.sample([c for c in COLOURS if c != avoid_colour], n)
     return _place(rng, list(zip(shapes, colours, strict=True)))
 
 
-def _scene_without(
-    rng: random.Random, n: int, avoid_shape: str | None, avoid_colour: str | None
-) -> list[Obj]:
-    shapes = [s for s in SHAPES if s != avoid_shape]
-    colours = [c for c in COLOURS if c != avoid_colour]
-    return _place(rng, list(zip(rng.sample(shapes, n), rng.sample(colours, n), strict=True)))
+# --- examples -------------------------------------------------------------------------------------------
 
 
 def _example(rng: random.Random, kind: str) -> Example:
     if kind in ("colour_of_shape", "shape_of_colour", "count"):
-        n = rng.randint(2, 4)
-        objs = _single_scene(rng, n)
+        # one-shape scenes are part of the mix: they teach the colour / shape read-out that the keyed
+        # look-up in busier scenes builds on
+        objs = _scene(rng, rng.randint(1, 4))
         scenes = [objs]
         if kind == "count":
-            question, answer, target, cat = (
-                "how many shapes are there ?",
-                f"there are {NUMBERS[n]} .",
-                NUMBERS[n],
-                "number",
-            )
+            qa = qa_count(len(objs))
         else:
             t = rng.choice(objs)
-            if kind == "colour_of_shape":
-                question, answer, target, cat = (
-                    f"what colour is the {t.shape} ?",
-                    f"it is {t.colour} .",
-                    t.colour,
-                    "colour",
-                )
-            else:
-                question, answer, target, cat = (
-                    f"what shape is the {t.colour} one ?",
-                    f"it is a {t.shape} .",
-                    t.shape,
-                    "shape",
-                )
-    else:
-        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
-        which = rng.randrange(2)
-        n_with, n_other = rng.randint(1, 3), rng.randint(1, 3)
+            qa = qa_colour_of_shape(t) if kind == "colour_of_shape" else qa_shape_of_colour(t)
+    elif kind in ("colour_of_shape_2img", "shape_of_colour_2img"):
         by_shape = kind == "colour_of_shape_2img"
-        # the image holding the target: target + (n_with-1) objects avoiding the key (and the target's values)
-        others = [c for c in COLOURS if c != colour]
-        shapes = rng.sample([x for x in SHAPES if x != shape], n_with - 1)
-        pairs = [*zip(shapes, rng.sample(others, n_with - 1), strict=True), (shape, colour)]
+        target = Obj(rng.choice(SHAPES), rng.choice(list(COLOURS)), (0, 0))
+        n_with, n_other = rng.randint(1, 3), rng.randint(1, 3)
+        rest = _scene(rng, n_with - 1, target.shape, target.colour)
+        pairs = [(o.shape, o.colour) for o in rest] + [(target.shape, target.colour)]
         rng.shuffle(pairs)
         with_target = _place(rng, pairs)
-        # the other image: avoid the key only (other values may repeat across images)
-        other = _scene_without(rng, n_other, shape if by_shape else None, None if by_shape else colour)
-        scenes = [with_target, other] if which == 0 else [other, with_target]
-        if by_shape:
-            question, answer, target, cat = (
-                f"what colour is the {shape} ?",
-                f"it is {colour} .",
-                colour,
-                "colour",
-            )
-        else:
-            question, answer, target, cat = (
-                f"what shape is the {colour} one ?",
-                f"it is a {shape} .",
-                shape,
-                "shape",
-            )
+        # the other image has no shape of the key's kind (its colours may repeat the target's)
+        other = _scene(rng, n_other, target.shape if by_shape else None, None if by_shape else target.colour)
+        scenes = [with_target, other] if rng.randrange(2) == 0 else [other, with_target]
+        qa = qa_colour_of_shape(target, True) if by_shape else qa_shape_of_colour(target, True)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
     images = [render_image(objs, rng) for objs in scenes]
-    return Example(images, question, answer, target, cat, kind, scenes)
-
-
-@dataclass(frozen=True)
-class QA:
-    kind: str
-    question: str
-    answer: str
-    target: str
-    category: str
-
-
-def scene_questions(objects: list[list[Obj]]) -> list[QA]:
-    """Every well-posed question about a scene (one or two images): keys that occur exactly once."""
-    flat = [o for objs in objects for o in objs]
-    two = len(objects) == 2
-    suffix = "_2img" if two else ""
-    out: list[QA] = []
-    shape_counts = Counter(o.shape for o in flat)
-    colour_counts = Counter(o.colour for o in flat)
-    for o in flat:
-        if shape_counts[o.shape] == 1:
-            out.append(
-                QA(
-                    f"colour_of_shape{suffix}",
-                    f"what colour is the {o.shape} ?",
-                    f"it is {o.colour} .",
-                    o.colour,
-                    "colour",
-                )
-            )
-        if colour_counts[o.colour] == 1:
-            out.append(
-                QA(
-                    f"shape_of_colour{suffix}",
-                    f"what shape is the {o.colour} one ?",
-                    f"it is a {o.shape} .",
-                    o.shape,
-                    "shape",
-                )
-            )
-    if not two:
-        n = NUMBERS[len(flat)]
-        out.append(QA("count", "how many shapes are there ?", f"there are {n} .", n, "number"))
-    return out
+    return Example(images, qa.question, qa.answer, qa.target, qa.category, qa.kind, scenes)
 
 
 def _rng(split: str, seed: int, index: int) -> random.Random:
@@ -259,14 +264,22 @@ def _rng(split: str, seed: int, index: int) -> random.Random:
     return random.Random(f"vlkv-synthetic/{split}/{seed}/{index}")
 
 
-def make_example(index: int, seed: int = 0, split: str = "train", kind: str | None = None) -> Example:
-    """The ``index``-th example of the stream ``(split, seed)``; ``kind`` forces a question kind."""
+def make_example(
+    index: int,
+    seed: int = 0,
+    split: str = "train",
+    kind: str | None = None,
+    weights: list[float] | None = None,
+) -> Example:
+    """The ``index``-th example of the stream ``(split, seed)``; ``kind`` forces a question kind and
+    ``weights`` (one per entry of ``KINDS``) replaces ``KIND_WEIGHTS``."""
     rng = _rng(split, seed, index)
-    k = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
+    k = rng.choices(KINDS, weights=weights or KIND_WEIGHTS)[0]
     return _example(rng, kind or k)
 
 
 def iter_examples(seed: int = 0, split: str = "train", start: int = 0) -> Iterator[Example]:
+    """Endless deterministic stream of examples (training draws from this)."""
     i = start
     while True:
         yield make_example(i, seed, split)
@@ -278,28 +291,32 @@ def make_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
     return [make_example(i, seed, split) for i in range(n)]
 
 
+# --- scoring --------------------------------------------------------------------------------------------
+
 _WORD_RE = re.compile(r"[a-z]+")
 
 
 def is_correct(generated_text: str, example: Example) -> bool:
-    """True iff the generated answer names the deciding word and no other word of the same category.
+    """True iff the answer names the deciding word and no other word of the same category.
 
-    ``generated_text`` is the decoded continuation (special tokens may or may not be stripped).
+    The key word the answer repeats is of the other category ("the square blue ." for a colour question),
+    so it never counts against the answer. ``generated_text`` is the decoded continuation (special tokens
+    may or may not be stripped).
     """
     words = _WORD_RE.findall(generated_text.lower())
     named = [w for w in words if w in CATEGORY_WORDS[example.category]]
     return bool(named) and all(w == example.target for w in named)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Evaluation helpers (transformers imported lazily so the generator stays light).
+# --- evaluation helpers (transformers imported lazily so the generator stays light) ----------------------
 
 
 def prompt_text(processor, example: Example) -> str:
     return processor.apply_chat_template(example.messages, add_generation_prompt=True)
 
 
-def generate_answer(model, processor, example: Example, max_new_tokens: int = 6) -> str:
+def generate_answer(model, processor, example: Example, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+    """Greedy full-cache answer (decoded continuation, special tokens stripped)."""
     import torch
 
     inputs = processor(images=example.images, text=prompt_text(processor, example), return_tensors="pt")
@@ -309,7 +326,7 @@ def generate_answer(model, processor, example: Example, max_new_tokens: int = 6)
 
 
 def evaluate(
-    model, processor, examples: list[Example], max_new_tokens: int = 6
+    model, processor, examples: list[Example], max_new_tokens: int = MAX_NEW_TOKENS
 ) -> tuple[float, dict[str, float]]:
     """Greedy full-cache accuracy overall and per kind."""
     hits: Counter[str] = Counter()
@@ -322,12 +339,13 @@ def evaluate(
     return acc, {k: hits[k] / totals[k] for k in sorted(totals)}
 
 
-def evaluate_full_cache(model_dir: str, n: int = 200, seed: int = 0, max_new_tokens: int = 6) -> float:
-    """Held-out accuracy of the saved model in ``model_dir`` with greedy decoding and the full KV cache."""
+def evaluate_full_cache(
+    model_dir: str, n: int = 200, seed: int = 0, max_new_tokens: int = MAX_NEW_TOKENS
+) -> float:
+    """Held-out accuracy of the saved model in ``model_dir``: greedy decoding with the full KV cache."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    torch.manual_seed(0)
     processor = AutoProcessor.from_pretrained(model_dir)
     model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     acc, _ = evaluate(model, processor, make_examples(n, seed, "heldout"), max_new_tokens)

@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_flags(p)
     p.add_argument("-n", type=int, default=4, help="number of questions")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="")
+    # The full cache by default: the demo shows the served path answering; pass --policy/--budget to see what
+    # compression keeps (`vlkv eval --table` measures it across budgets).
+    p.add_argument("--policy", default="full", help=POLICY_HELP)
     p.add_argument("--budget", type=float, default=None)
     p.set_defaults(func=cmd_demo)
 

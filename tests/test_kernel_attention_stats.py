@@ -16,10 +16,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import contextlib  # noqa: E402
-import importlib  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -29,50 +26,16 @@ from vlkv.kernels.attention_stats_reference import (  # noqa: E402
     unmasked_count,
 )
 
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+from tests.triton_interpret import INTERPRET, kernel_module  # noqa: E402
+
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
 
 
-@contextlib.contextmanager
-def triton_interpreter():
-    """Make ``triton.language``'s jit helpers interpreted, as ``TRITON_INTERPRET=1`` at import would."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    owners = [m for n, m in list(sys.modules.items()) if n.startswith("triton.language") and m is not None]
-    swapped, saved = {}, []
-    for owner in [*owners, tl.tensor]:
-        for name, value in list(vars(owner).items()):
-            if isinstance(value, JITFunction):
-                saved.append((owner, name, value))
-                setattr(owner, name, swapped.setdefault(id(value), InterpretedFunction(value.fn)))
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
-
-
-def interpreted_module(name: str, kernel_attr: str):
-    """Import kernel module ``name``, reloading it if its kernels were decorated in compiled mode."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    mod = importlib.import_module(name)
-    if not isinstance(getattr(mod, kernel_attr), InterpretedFunction):
-        mod = importlib.reload(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    if not INTERPRET:
-        yield importlib.import_module("vlkv.kernels.attention_stats")
-        return
-    with triton_interpreter():
-        yield interpreted_module("vlkv.kernels.attention_stats", "_row_stats_kernel")
+    yield from kernel_module("vlkv.kernels.attention_stats", "_row_stats_kernel")
 
 
 def dense_stats(q, k, q_start, scale, p):

@@ -2,65 +2,31 @@
 against per-sequence ``F.scaled_dot_product_attention`` on the gathered tokens.
 
 The Triton kernels run on CPU through the Triton interpreter, with no conftest involved: see
-tests/test_kernel_attention_stats.py for why ``TRITON_INTERPRET`` is set first thing and what the
-``kernels`` fixture does when triton was already imported in compiled mode (the helpers are repeated
-here so each file runs on its own). ``TRITON_INTERPRET=0`` on a CUDA machine tests the GPU kernels.
+tests/triton_interpret.py for why ``TRITON_INTERPRET`` is set first thing and what the ``kernels``
+fixture does when triton was already imported in compiled mode. ``TRITON_INTERPRET=0`` on a CUDA machine tests the GPU kernels.
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import contextlib  # noqa: E402
-import importlib  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from vlkv.kernels.paged_decode_reference import paged_decode_reference  # noqa: E402
 
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+from tests.triton_interpret import INTERPRET, kernel_module  # noqa: E402
+
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
 
 
-@contextlib.contextmanager
-def triton_interpreter():
-    """Make ``triton.language``'s jit helpers interpreted, as ``TRITON_INTERPRET=1`` at import would."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    owners = [m for n, m in list(sys.modules.items()) if n.startswith("triton.language") and m is not None]
-    swapped, saved = {}, []
-    for owner in [*owners, tl.tensor]:
-        for name, value in list(vars(owner).items()):
-            if isinstance(value, JITFunction):
-                saved.append((owner, name, value))
-                setattr(owner, name, swapped.setdefault(id(value), InterpretedFunction(value.fn)))
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    name = "vlkv.kernels.paged_decode"
-    if not INTERPRET:
-        yield importlib.import_module(name)
-        return
-    from triton.runtime.interpreter import InterpretedFunction
-
-    with triton_interpreter():
-        mod = importlib.import_module(name)
-        if not isinstance(mod._split_kernel, InterpretedFunction):
-            mod = importlib.reload(mod)
-        yield mod
+    yield from kernel_module("vlkv.kernels.paged_decode", "_split_kernel")
 
 
 def make_case(lengths, n_heads, n_kv, dim, page, n_blocks, dtype, *, top=False, seed=0):

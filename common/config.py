@@ -78,15 +78,29 @@ class PoolConfig:
     pool_bytes: int = 256 << 20
     block_size: int = 16
     max_batch: int = 64
-    max_waiting: int = 256
+    max_waiting: int = 256  # requests the gateway queues while no decode worker has room for them
+    admit_wait_s: float = 30.0  # how long a queued request waits for room before RESOURCE_EXHAUSTED
     cache_wait_ms: int = 60_000  # how long Decode waits for its cache, and the lease of an unclaimed cache
+    # "grow": a cache takes blocks for its tokens only and grows a block at a time while decoding; when the
+    # pool runs out, the newest sequence is preempted (swapped to host memory) and resumed first when
+    # blocks free. "reserve": every cache also reserves max_new_tokens at admission (never preempts).
+    admission: str = "grow"
+    watermark: float = 0.01  # "grow": share of the pool a new cache must leave free (room to grow)
+    swap_bytes: int = 0  # "grow": host memory for preempted sequences; 0 = as much as pool_bytes
 
     def __post_init__(self) -> None:
         _check(self.pool_bytes > 0, "pool_bytes must be > 0")
         _check(1 <= self.block_size <= 1024, "block_size must be in [1, 1024]")
         _check(self.max_batch >= 1, "max_batch must be >= 1")
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
+        _check(self.admit_wait_s >= 0, "admit_wait_s must be >= 0")
         _check(self.cache_wait_ms >= 1, "cache_wait_ms must be >= 1")
+        _check(
+            self.admission in ("grow", "reserve"),
+            f"admission must be grow or reserve, not {self.admission!r}",
+        )
+        _check(0 <= self.watermark < 1, "watermark must be in [0, 1)")
+        _check(self.swap_bytes >= 0, "swap_bytes must be >= 0")
 
 
 @dataclass(slots=True)
@@ -94,11 +108,15 @@ class TransferConfig:
     """How compact caches travel from prefill to decode."""
 
     chunk_bytes: int = 4 << 20  # kv_wire.DEFAULT_CHUNK_BYTES
-    deadline_s: float = 60.0
+    deadline_s: float = 60.0  # of one TransferKV call; the gateway allows 2x for a Prefill, 3x for the cache
+    # Fault injection, for tests only (no CLI flag; keep 0): the prefill worker pauses this long before each
+    # KV chunk after the header, so a test can kill or stop a process while a hand-off is in flight.
+    fault_chunk_delay_ms: int = 0
 
     def __post_init__(self) -> None:
         _check(4096 <= self.chunk_bytes <= (32 << 20), "chunk_bytes must be in [4 KiB, 32 MiB]")
         _check(self.deadline_s > 0, "deadline_s must be > 0")
+        _check(0 <= self.fault_chunk_delay_ms <= 60_000, "fault_chunk_delay_ms must be in [0, 60000]")
 
 
 @dataclass(slots=True)
@@ -112,10 +130,14 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     host: str = "127.0.0.1"
     grace_s: float = 5.0
+    # Internal channels (gateway to workers, prefill to decode) ping their peer this often and drop the
+    # connection when a ping goes unanswered as long: calls to a hung worker end with UNAVAILABLE. 0 = off.
+    keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
+        _check(self.keepalive_s == 0 or self.keepalive_s >= 0.5, "keepalive_s must be 0 (off) or >= 0.5")
         self.security.check_exposure(self.host)
         _check(  # one KV chunk plus its framing (transport.MESSAGE_OVERHEAD_BYTES) fits in a message
             self.transfer.chunk_bytes + (1 << 17) <= self.limits.max_message_bytes,

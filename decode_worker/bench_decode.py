@@ -5,11 +5,10 @@
 On a LLaVA-Mistral-7B text layout (hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336,
 vocab 32000), side by side in one run:
 
-1. Admission (arithmetic over ``KVPool`` accounting, no model; the pool lives on the ``meta`` device):
-   how many 2K-token prompts fit into the same pool bytes, computed for the full 32-layer layout, with
-   10% caches (uniform ``k_l``, and an uneven VL-Cache-like per-layer split of the same total) vs 100%
-   caches, with ``max_new_tokens`` reserved per sequence as the decode worker does; plus the same count
-   without the reservation and the largest reservation that still keeps the 10%/100% ratio >= 9x.
+1. Admission: ``bench_admission`` (the decode worker's ``KVPool``, ``AdmissionPolicy`` and scheduler on
+   the full 32-layer layout, no model): 2K-token sequences admitted into the same pool bytes, and
+   sustained while each generates 100 tokens, with 10% caches (uniform and VL-Cache-like uneven ``k_l``)
+   vs 100% caches, under both admission policies.
 2. Decode throughput of ``ModelRunner.step`` (the real LLaVA language model, paged decode attention) on
    the layout truncated to ``--layers`` layers, random weights, fp32, one torch thread by default
    (``--threads``): batch sizes 1, 8, 32, 64 at prompt lengths 2K and 8K, with pools filled with random
@@ -30,7 +29,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import statistics
 import time
@@ -41,34 +39,21 @@ import torch
 import transformers
 from vlkv.common.model_loading import language_model
 from vlkv.decode_worker import model_runner as runner_module
+from vlkv.decode_worker.bench_admission import (
+    BLOCK_SIZE,
+    BUDGET,
+    GIB,
+    LAYOUT_7B,
+    Layout,
+    admission,
+    admission_table,
+    uniform_lengths,
+)
 from vlkv.decode_worker.kv_pool import KVPool
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 
-GIB = 1 << 30
-BLOCK_SIZE = 16  # PoolConfig.block_size default
-BUDGET = 0.10
-ADMIT_PROMPT = 2048
-ADMIT_MAX_NEW = 100
-ADMIT_DTYPE = torch.float16  # what a 7B server keeps its KV in; the ratio does not depend on it
-RATIO_TARGET = 9.0
 GAIN_MIN = 0.1  # the gain share (measured - 1) / (ideal - 1) is shown only where the ideal is >= 1.1x
 DTYPE = torch.float32  # fp32 matmuls beat bf16 on this CPU (no AVX-512 BF16); see the module notes
-
-
-@dataclass(frozen=True)
-class Layout:
-    """LLaVA-Mistral-7B's language model (Mistral-7B)."""
-
-    hidden: int = 4096
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    ffn: int = 14336
-    vocab: int = 32000
-    layers: int = 32
-
-
-LAYOUT_7B = Layout()
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -77,136 +62,6 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _fmt_gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
-
-
-# -- 1. admission ----------------------------------------------------------------------------------------
-
-
-def uniform_lengths(m: int, budget: float, layers: int) -> list[int]:
-    return [min(m, max(1, math.ceil(budget * m)))] * layers
-
-
-def uneven_lengths(m: int, budget: float, layers: int) -> list[int]:
-    """The same total as :func:`uniform_lengths`, split across layers in proportion to weights falling
-    linearly from 1.5 (first layer) to 0.5 (last), the shape of VL-Cache's layer-adaptive budgets
-    (early layers attend densely and keep more tokens). Largest remainders keep the total exact."""
-    total = sum(uniform_lengths(m, budget, layers))
-    weights = [1.5 - i / (layers - 1) for i in range(layers)] if layers > 1 else [1.0]
-    raw = [total * w / sum(weights) for w in weights]
-    out = [math.floor(r) for r in raw]
-    for i in sorted(range(layers), key=lambda i: raw[i] - out[i], reverse=True)[: total - sum(out)]:
-        out[i] += 1
-    if max(out) > m:
-        raise ValueError(f"an uneven split of {total} tokens over {layers} layers exceeds m={m}")
-    return out
-
-
-def meta_pool(pool_bytes: int, layout: Layout = LAYOUT_7B, dtype=ADMIT_DTYPE) -> KVPool:
-    """A real ``KVPool`` whose block storage lives on the meta device: exact accounting, no memory."""
-    return KVPool.from_bytes(pool_bytes, BLOCK_SIZE, layout.kv_heads, layout.head_dim, dtype, device="meta")
-
-
-def admit_count(pool_bytes: int, lengths: list[int], max_new_tokens: int) -> int:
-    """Sequences admitted one after another (``KVPool.allocate``) until the pool refuses one."""
-    pool = meta_pool(pool_bytes)
-    n = 0
-    while pool.allocate(lengths, max_new_tokens) is not None:
-        n += 1
-    return n
-
-
-@dataclass
-class AdmissionRow:
-    case: str
-    max_new_tokens: int
-    k_min: int
-    k_max: int
-    k_total: int
-    blocks_per_seq: int
-    admitted: int
-    vs_full: float
-
-
-def admission(
-    pool_bytes: int = 2 * GIB, prompt: int = ADMIT_PROMPT, max_new_tokens: int = ADMIT_MAX_NEW
-) -> dict:
-    """Admission of ``prompt``-token sequences into ``pool_bytes`` for the full 32-layer 7B layout."""
-    layers = LAYOUT_7B.layers
-    pool = meta_pool(pool_bytes)
-    cases = {
-        "100%": [prompt] * layers,
-        "10% uniform": uniform_lengths(prompt, BUDGET, layers),
-        "10% uneven (VL-Cache-like)": uneven_lengths(prompt, BUDGET, layers),
-    }
-    rows = []
-    for reserve in (max_new_tokens, 0):
-        full = None
-        for name, lengths in cases.items():
-            n = admit_count(pool_bytes, lengths, reserve)
-            full = n if full is None else full
-            rows.append(
-                AdmissionRow(name, reserve, min(lengths), max(lengths), sum(lengths),
-                             pool.blocks_needed(lengths, reserve), n, n / full if full else math.inf)
-            )  # fmt: skip
-    # The largest reservation r such that every reservation <= r keeps the 10% caches at >= RATIO_TARGET
-    # x the 100% caches: by sequences admitted into this pool, and by blocks per sequence (pool-size free).
-    in_pool = by_blocks = -1
-    for reserve in range(0, prompt + 1):
-        b_full = pool.blocks_needed(cases["100%"], reserve)
-        b_small = pool.blocks_needed(cases["10% uniform"], reserve)
-        n_full, n_small = pool.num_blocks // b_full, pool.num_blocks // b_small
-        if in_pool == reserve - 1 and n_full and n_small / n_full >= RATIO_TARGET:
-            in_pool = reserve
-        if by_blocks == reserve - 1 and b_full / b_small >= RATIO_TARGET:
-            by_blocks = reserve
-    return {
-        "pool_bytes": pool_bytes,
-        "num_blocks": pool.num_blocks,
-        "block_bytes": pool.block_bytes,
-        "prompt": prompt,
-        "max_new_tokens": max_new_tokens,
-        "rows": [asdict(r) for r in rows],
-        "max_reserve_in_pool": in_pool,
-        "max_reserve_by_blocks": by_blocks,
-        "block_ratio": pool.blocks_needed(cases["100%"], max_new_tokens)
-        / pool.blocks_needed(cases["10% uniform"], max_new_tokens),
-    }
-
-
-def ratio_of(adm: dict, case: str, max_new_tokens: int) -> float:
-    return next(
-        r["vs_full"] for r in adm["rows"] if r["case"] == case and r["max_new_tokens"] == max_new_tokens
-    )
-
-
-def admission_table(adm: dict) -> str:
-    lines = [
-        f"Pool: {_fmt_gib(adm['pool_bytes'])} = {adm['num_blocks']} blocks of {BLOCK_SIZE} tokens x 8 KV "
-        f"heads x 128 dims, K+V, fp16 ({adm['block_bytes'] // 1024} KiB); full 32-layer 7B layout; "
-        f"{adm['prompt']}-token prompts.",
-        "",
-        "| caches | reserved max_new_tokens | k_l per layer (min-max) | tokens, all layers | blocks/seq "
-        "| seqs admitted | vs 100% |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in adm["rows"]:
-        k = f"{r['k_min']}" if r["k_min"] == r["k_max"] else f"{r['k_min']}-{r['k_max']}"
-        lines.append(
-            f"| {r['case']} | {r['max_new_tokens']} | {k} | {r['k_total']} | {r['blocks_per_seq']} "
-            f"| {r['admitted']} | {r['vs_full']:.2f}x |"
-        )
-    reserve = adm["max_new_tokens"]
-    got = ratio_of(adm, "10% uniform", reserve)
-    lines += [
-        "",
-        f"10% vs 100% with max_new_tokens={reserve} reserved: {got:.2f}x "
-        f"({'meets' if got >= RATIO_TARGET else 'MISSES'} the {RATIO_TARGET:.0f}x target); "
-        f"per sequence the 10% cache takes {adm['block_ratio']:.2f}x fewer blocks. Caches alone (nothing "
-        f"reserved): {ratio_of(adm, '10% uniform', 0):.2f}x. The ratio stays >= {RATIO_TARGET:.0f}x for "
-        f"reservations up to {adm['max_reserve_in_pool']} tokens in this pool, "
-        f"{adm['max_reserve_by_blocks']} tokens by blocks per sequence (any pool size).",
-    ]
-    return "\n".join(lines)
 
 
 # -- 2. decode throughput --------------------------------------------------------------------------------

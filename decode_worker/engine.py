@@ -4,16 +4,27 @@
 (first come, first served, up to ``max_batch``), so none starves; after it, every sequence samples its
 token, streams it, and finished or cancelled sequences leave and free their blocks at once. The model step
 runs in a worker thread so the event loop keeps serving gRPC while it computes.
+
+Preemption (admission "grow", ``PoolConfig.admission``): a cache arrives with blocks for its tokens only,
+and before each step every running sequence takes a block in each layer whose last block is full. When
+the pool is short, the newest running sequence is preempted: its cached K/V is copied to host memory
+(bounded by ``swap_bytes``) and its blocks freed. Preempted sequences resume, oldest first, before any
+waiting sequence joins, and continue bit for bit where they stopped (the same K/V, the same positions). A
+preempted sequence that does not fit in the swap space fails with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
+import torch
 from vlkv.common.errors import VlkvError
 from vlkv.common.sampling import SamplingConfig, make_generator, sample_token
 from vlkv.decode_worker.detokenizer import IncrementalText
@@ -41,18 +52,32 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     done: bool = False
     cancelled: bool = False
+    arrival: int = 0  # admission order: preemption takes the newest, resumption the oldest
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer K, V while preempted
 
     def __post_init__(self) -> None:
         self.generator = None if self.sampling.greedy else make_generator(self.sampling.seed + 1)
 
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.swapped or ())
+
 
 class DecodeEngine:
-    def __init__(self, runner: ModelRunner, pool: KVPool, max_batch: int) -> None:
+    def __init__(
+        self, runner: ModelRunner | None, pool: KVPool, max_batch: int, swap_bytes: int = 0, swap_device="cpu"
+    ) -> None:
         self.runner = runner
+        self.swap_device = swap_device
         self.pool = pool
         self.max_batch = max_batch
+        self.swap_bytes = swap_bytes
+        self.swap_used = 0
+        self.preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # preempted, in arrival order
+        self._arrivals = itertools.count()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-decode")
         self._task: asyncio.Task | None = None
@@ -68,7 +93,7 @@ class DecodeEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for seq in list(self.running) + list(self.waiting):
+        for seq in list(self.running) + list(self.waiting) + list(self.swapped):
             self._finish(seq, error=VlkvError("decode worker shutting down"))
         self._executor.shutdown(wait=True)
 
@@ -80,14 +105,23 @@ class DecodeEngine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def submit(self, seq: Sequence) -> None:
         """Start a sequence whose cache is in the pool: stream the prefill's token, then queue it."""
+        seq.arrival = next(self._arrivals)
         self._emit_token(seq, seq.first_token)
         if seq.done:
             self._release(seq)
         else:
             self.waiting.append(seq)
             self._wake.set()
+
+    def notify(self) -> None:
+        """Blocks were freed outside the loop: let preempted sequences try to resume."""
+        self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
         """Drop a sequence (client gone); its blocks are freed now or right after the step using them."""
@@ -103,6 +137,62 @@ class DecodeEngine:
     def _release(self, seq: Sequence) -> None:
         if seq.blocks.num_blocks:
             self.pool.free(seq.blocks)
+        if seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swap_used -= seq.swapped_bytes
+            seq.swapped = None
+
+    # -- preemption --------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a running sequence off the pool: swap its K/V to host memory, or fail it if none is left."""
+        self.running.remove(seq)
+        self.preemptions += 1
+        kv = [self.pool.read(t, n) for t, n in zip(seq.blocks.tables, seq.lengths, strict=True)]
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        if self.swap_used + nbytes > self.swap_bytes:
+            log.warning("request %s: preempted with no swap space left; failing it", seq.request_id)
+            self._finish(
+                seq,
+                error=VlkvError(
+                    "the decode worker ran out of KV memory and swap space; retry",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                ),
+            )
+            self._release(seq)
+            return
+        log.info("request %s: preempted (%d blocks swapped out)", seq.request_id, seq.blocks.num_blocks)
+        self.pool.free(seq.blocks)
+        seq.swapped = [(k.to(self.swap_device, copy=True), v.to(self.swap_device, copy=True)) for k, v in kv]
+        self.swap_used += nbytes
+        bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
+
+    def _resume(self) -> None:
+        """Bring preempted sequences back, oldest first, while they fit with room for their next token."""
+        while self.swapped and len(self.running) < self.max_batch:
+            seq = self.swapped[0]
+            blocks = self.pool.allocate(seq.lengths, 1)
+            if blocks is None:
+                return
+            for table, (k, v) in zip(blocks.tables, seq.swapped, strict=True):
+                self.pool.write(table, k.to(self.pool.k.device), v.to(self.pool.v.device))
+            self.swapped.pop(0)
+            self.swap_used -= seq.swapped_bytes
+            seq.swapped = None
+            seq.blocks = blocks
+            self.running.append(seq)
+
+    def _make_room(self) -> None:
+        """Give every running sequence room for this step's token, preempting the newest when short."""
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            while seq in self.running and not self.pool.append(seq.blocks, seq.lengths):
+                self._preempt(max(self.running, key=lambda s: s.arrival))
+
+    def schedule(self) -> None:
+        self._resume()
+        if not self.swapped or not self.running:  # preempted sequences go first; never stall on them
+            while len(self.running) < self.max_batch and self.waiting:
+                self.running.append(self.waiting.popleft())
+        self._make_room()
 
     def _finish(self, seq: Sequence, reason: int = 0, error: VlkvError | None = None) -> None:
         if seq.done:
@@ -132,11 +222,13 @@ class DecodeEngine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            while len(self.running) < self.max_batch and self.waiting:
-                self.running.append(self.waiting.popleft())
+            self.schedule()
             if not self.running:
                 self._wake.clear()
-                await self._wake.wait()
+                try:  # preempted sequences wait for blocks freed outside the loop (a lease, a refusal)
+                    await asyncio.wait_for(self._wake.wait(), 0.05 if self.swapped else None)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             batch = list(self.running)
             inputs = [

@@ -87,6 +87,21 @@ class KVPool:
             tables.append(ids)
         return SequenceBlocks(tables)
 
+    def blocks_to_append(self, blocks: SequenceBlocks, lengths: list[int]) -> int:
+        """New blocks ``append`` needs to place token ``lengths[l]`` of every layer l."""
+        return sum(n >= len(t) * self.block_size for t, n in zip(blocks.tables, lengths, strict=True))
+
+    def append(self, blocks: SequenceBlocks, lengths: list[int]) -> bool:
+        """Make room for one more token in every layer (at index ``lengths[l]``); all or nothing."""
+        grow = [t for t, n in zip(blocks.tables, lengths, strict=True) if n >= len(t) * self.block_size]
+        if len(grow) > self.num_free:
+            return False
+        for table in grow:
+            block = self._free.pop()
+            self._used.add(block)
+            table.append(block)
+        return True
+
     def free(self, blocks: SequenceBlocks) -> None:
         """Return a sequence's blocks; freeing a block that is not in use is a bug and raises."""
         ids = [b for t in blocks.tables for b in t]

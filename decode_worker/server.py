@@ -24,6 +24,7 @@ from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.kv_assembler import KVAssembler
 from vlkv.common.kv_wire import KVWireError, model_fingerprint, model_kv_layout
 from vlkv.common.sampling import sampling_from_proto
+from vlkv.decode_worker.admission import AdmissionPolicy, AdmissionRefused
 from vlkv.decode_worker.detokenizer import IncrementalText
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
 from vlkv.decode_worker.kv_pool import KVPool
@@ -43,7 +44,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.pool = KVPool.from_bytes(
             cfg.pool.pool_bytes, cfg.pool.block_size, kv_heads, head_dim, dtype, cfg.model.device
         )
-        self.engine = DecodeEngine(ModelRunner(model, self.pool), self.pool, cfg.pool.max_batch)
+        swap = cfg.pool.swap_bytes or cfg.pool.pool_bytes
+        self.engine = DecodeEngine(ModelRunner(model, self.pool), self.pool, cfg.pool.max_batch, swap)
+        self.admission = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, self.pool)
         self.address = ""
         self.draining = False
         self._arrived: dict[str, tuple[Sequence, asyncio.TimerHandle]] = {}
@@ -64,15 +67,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise KVWireError(
                 grpc.StatusCode.ALREADY_EXISTS, f"a cache for {header.request_id!r} is already here"
             )
-        max_new = max(1, header.sampling.max_new_tokens)
-        blocks = self.pool.allocate(list(header.layer_lengths), max_new)
-        if blocks is None:
-            need = self.pool.blocks_needed(list(header.layer_lengths), max_new)
-            raise KVWireError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"KV pool full: request needs {need} blocks, {self.pool.num_free} free",
+        try:
+            return self.admission.admit(
+                self.pool,
+                list(header.layer_lengths),
+                max(1, header.sampling.max_new_tokens),
+                self.engine.num_swapped,
             )
-        return blocks
+        except AdmissionRefused as exc:
+            raise KVWireError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
 
     async def TransferKV(self, request_iterator, context):
         assembler = KVAssembler(
@@ -153,6 +156,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             entry[1].cancel()
             log.warning("request %s: cache not claimed within its lease; freed", request_id)
             self.pool.free(entry[0].blocks)
+            self.engine.notify()
 
     # -- token stream --------------------------------------------------------------------------------
     async def _claim(self, request_id: str, wait_ms: int) -> Sequence:
@@ -213,6 +217,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             block_size=self.pool.block_size,
             draining=self.draining,
             model_fingerprint=self.fingerprint,
+            admit_blocks=self.admission.available(self.pool, self.engine.num_swapped),
+            reserves_new_tokens=self.admission.reserve,
+            swapped=self.engine.num_swapped,
+            preemptions=self.engine.preemptions,
         )
 
 

@@ -123,7 +123,8 @@ def _markdown(res: Results) -> list[str]:
         "this shared machine, OpenMP threads contending with the other load). Each server is its own process; the load generator "
         "(`vlkv.services.loadgen`, grpc.aio) runs in the bench process and speaks the public API to all three.",
         f"- Same KV memory: **{plan.kv_mb:g} MiB** per system: vlkv's decode-worker pool (`--pool-mb "
-        f"{plan.kv_mb:g}`, 16-token blocks, admission reserves prompt cache + max_new_tokens in every layer); "
+        f"{plan.kv_mb:g}`, 16-token blocks, default admission `grow`: a cache takes the blocks of its own tokens, sequences "
+        "take blocks as they decode and the newest is preempted to host memory when the pool fills); "
         "the HF baseline caps a batch at n sequences with n x (padded prompt + max_new_tokens) x "
         "(full KV bytes per token) <= the budget.",
         f"- Models: fidelity on `{res.models.get('eval')}`. Speed runs on a copy "

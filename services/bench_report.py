@@ -380,7 +380,8 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
     """Hand compact caches to the decode worker until its admission refuses one; then decode them all.
 
     Each cache goes the way a real request's does (prefill worker -> policy -> ``TransferKV`` to the decode
-    worker, which reserves its prompt cache + ``max_new_tokens`` in every layer), but no ``Decode`` stream
+    worker, which admits it by its default policy: the blocks of its own tokens, leaving 1% of the pool
+    free), but no ``Decode`` stream
     claims it yet, so it stays resident (within its lease). The count of caches admitted before the first
     RESOURCE_EXHAUSTED is the number of such sequences the KV pool holds at once. A public ``Generate`` is
     then sent to check that the gateway refuses it too; finally one ``Decode`` stream per held cache is

@@ -27,7 +27,12 @@ def _server_config(args) -> ServerConfig:
             api_token=args.api_token,
         ),
         pool=PoolConfig(
-            pool_bytes=int(args.pool_mb * (1 << 20)), block_size=args.block_size, max_batch=args.max_batch
+            pool_bytes=int(args.pool_mb * (1 << 20)),
+            block_size=args.block_size,
+            max_batch=args.max_batch,
+            admission=args.admission,
+            swap_bytes=int(args.swap_mb * (1 << 20)),
+            max_waiting=args.max_waiting,
         ),
         host=args.host,
     )
@@ -56,6 +61,17 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mb", type=float, default=256, help="KV pool size of each decode worker (MiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one decode step")
+    p.add_argument(
+        "--admission",
+        default="grow",
+        choices=["grow", "reserve"],
+        help="grow: caches take blocks as they decode, the newest is preempted to host memory when the "
+        "pool fills; reserve: each cache reserves max_new_tokens at admission",
+    )
+    p.add_argument("--swap-mb", type=float, default=0, help="host memory for preempted sequences (0: = pool)")
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="requests queued while no decode worker has room"
+    )
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
     p.add_argument(
         "--tls-cert", default="", help="PEM certificate: TLS on every server (public and internal)"
@@ -315,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--table", action="store_true", help="sweep every policy over the Table-1 budgets")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="VL-Cache ablations (scorer/allocator/window swaps, kept tokens, hit rates, oracles) -> ablation.md",
+    )
+    p.add_argument("--allocator", default="", help="layer budget allocator: sparsity, uniform, pyramid, cake")
+    p.add_argument("--exact-budget", action="store_true", help="sparsity allocator: hit alpha * L * m exactly")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
     p.set_defaults(func=cmd_eval)
 

@@ -112,7 +112,10 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         logs.request_id.set(rid)
         kept = m if compression.is_full else min(m, math.ceil(compression.budget * m))
-        decode = await self.router.pick_decode([kept] * self.num_layers, sampling.max_new_tokens)
+        pool = self.cfg.pool
+        decode = await self.router.pick_decode(
+            [kept] * self.num_layers, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
+        )
         prefill_req = worker_pb2.PrefillRequest(
             request_id=rid,
             images=list(request.images),

@@ -40,6 +40,21 @@ class GatewayMetrics:
             registry=r,
         )
         self.replicas = Gauge("vlkv_replicas", "workers serving, by kind", ["kind"], registry=r)
+        self.admit_queue = Gauge(
+            "vlkv_admission_queue", "requests waiting for a decode worker with KV room", registry=r
+        )
+        self.swapped = Gauge(
+            "vlkv_decode_swapped",
+            "sequences preempted to host memory on a decode worker",
+            ["address"],
+            registry=r,
+        )
+        self.preemptions = Gauge(
+            "vlkv_decode_preemptions",
+            "preemptions on a decode worker since it started",
+            ["address"],
+            registry=r,
+        )
 
 
 def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):
@@ -50,6 +65,7 @@ def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):
 
 def record_loads(metrics: GatewayMetrics, router) -> None:
     """Export the loads the router last polled (the figures the autoscaler scales on)."""
+    metrics.admit_queue.set(router.num_queued)
     for kind, pool in (("prefill", router.prefill), ("decode", router.decode)):
         metrics.replicas.labels(kind).set(len([w for w in pool.values() if not w.draining]))
         for w in pool.values():
@@ -59,3 +75,5 @@ def record_loads(metrics: GatewayMetrics, router) -> None:
             )
             if kind == "decode" and w.load.total_blocks:
                 metrics.pool_occupancy.labels(w.address).set(1 - w.load.free_blocks / w.load.total_blocks)
+                metrics.swapped.labels(w.address).set(w.load.swapped)
+                metrics.preemptions.labels(w.address).set(w.load.preemptions)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,6 +22,7 @@ from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 2.0
+ADMIT_POLL_S = 0.02  # how often the head of the admission queue asks the decode workers for room
 
 
 @dataclass
@@ -34,15 +37,22 @@ class Worker:
 
 
 class Router:
-    def __init__(self, max_message_bytes: int, security=None) -> None:
+    def __init__(self, max_message_bytes: int, security=None, keepalive_s: float = 0.0) -> None:
         self._max_message_bytes = max_message_bytes
+        self._keepalive_s = keepalive_s  # pings on every worker channel (grpc_server.keepalive_options)
         self._security = security if security is not None else SecurityConfig()
         self.prefill: dict[str, Worker] = {}
         self.decode: dict[str, Worker] = {}
+        self._admit_queue: deque[object] = deque()  # requests waiting for a decode worker with room
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a decode worker with room."""
+        return len(self._admit_queue)
 
     def _add(self, pool: dict[str, Worker], address: str, stub_cls) -> None:
         if address not in pool:
-            ch = make_channel(address, self._security, self._max_message_bytes)
+            ch = make_channel(address, self._security, self._max_message_bytes, self._keepalive_s)
             pool[address] = Worker(address, ch, stub_cls(ch))
 
     def add_prefill(self, address: str) -> None:
@@ -88,8 +98,39 @@ class Router:
         workers = list(self.prefill.values()) + list(self.decode.values())
         await asyncio.gather(*(self._poll(w) for w in workers))
 
-    async def pick_decode(self, layer_tokens: list[int], max_new_tokens: int) -> Worker:
-        """The decode worker with the most free blocks that can hold ``layer_tokens`` + max_new_tokens."""
+    async def pick_decode(
+        self, layer_tokens: list[int], max_new_tokens: int, wait_s: float = 0.0, max_waiting: int = 0
+    ) -> Worker:
+        """The decode worker with the most room that can admit a cache of ``layer_tokens`` now.
+
+        When none can, the request waits in a first-come-first-served queue of at most ``max_waiting``
+        requests for up to ``wait_s`` (the head polls the workers' load); then RESOURCE_EXHAUSTED. A
+        request larger than every worker's whole pool is refused at once.
+        """
+        if not self._admit_queue:
+            worker = await self._try_decode(layer_tokens, max_new_tokens)
+            if worker is not None:
+                return worker
+        if len(self._admit_queue) >= max_waiting or wait_s <= 0:
+            raise ResourceExhausted(
+                f"no decode worker has room for this request ({len(self._admit_queue)} requests waiting)"
+            )
+        ticket = object()
+        self._admit_queue.append(ticket)
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                if self._admit_queue[0] is ticket:
+                    worker = await self._try_decode(layer_tokens, max_new_tokens)
+                    if worker is not None:
+                        return worker
+                if time.monotonic() >= deadline:
+                    raise ResourceExhausted(f"no decode worker had room for this request within {wait_s:g} s")
+                await asyncio.sleep(ADMIT_POLL_S)
+        finally:
+            self._admit_queue.remove(ticket)
+
+    async def _try_decode(self, layer_tokens: list[int], max_new_tokens: int) -> Worker | None:
         if not self.decode:
             raise Unavailable("no decode worker is registered")
         workers = list(self.decode.values())
@@ -101,13 +142,25 @@ class Router:
         ]
         if not live:
             raise Unavailable("no decode worker is reachable")
+        most = max(
+            ld.total_blocks - _blocks_needed(ld, layer_tokens, max_new_tokens, whole=True) for _, ld in live
+        )
+        if most < 0:
+            raise ResourceExhausted(
+                f"this request (max_new_tokens={max_new_tokens}) needs more KV blocks than a decode worker holds"
+            )
         fitting = [
-            (w, ld)
-            for w, ld in live
-            if sum(math.ceil((n + max_new_tokens) / max(ld.block_size, 1)) for n in layer_tokens)
-            <= ld.free_blocks
+            (w, ld) for w, ld in live if _blocks_needed(ld, layer_tokens, max_new_tokens) <= ld.admit_blocks
         ]
         if not fitting:
-            best = max(ld.free_blocks for _, ld in live)
-            raise ResourceExhausted(f"no decode worker has room for this request (most free blocks: {best})")
-        return max(fitting, key=lambda p: (p[1].free_blocks, -p[0].in_flight))[0]
+            return None
+        return max(fitting, key=lambda p: (p[1].admit_blocks, -p[0].in_flight))[0]
+
+
+def _blocks_needed(
+    load: worker_pb2.WorkerLoad, layer_tokens: list[int], max_new_tokens: int, whole: bool = False
+) -> int:
+    """Blocks the worker takes at admission (the cache, plus max_new_tokens if it reserves them), or
+    with ``whole`` the most the sequence can ever hold."""
+    extra = max_new_tokens if load.reserves_new_tokens or whole else 0
+    return sum(math.ceil((n + extra) / max(load.block_size, 1)) for n in layer_tokens)

@@ -1,12 +1,17 @@
-"""The decode benchmark's admission arithmetic (KVPool accounting on the meta device; no model, no timing)."""
+"""The admission benchmark's arithmetic (the decode worker's pool, admission and scheduler on the meta
+device; no model, no timing)."""
 
 from __future__ import annotations
 
-from vlkv.decode_worker.bench_decode import GIB, admission, uneven_lengths, uniform_lengths
-
-
-def _rows(adm: dict, reserve: int) -> dict[str, dict]:
-    return {r["case"]: r for r in adm["rows"] if r["max_new_tokens"] == reserve}
+from vlkv.decode_worker.bench_admission import (
+    GIB,
+    admission,
+    admit_count,
+    row_of,
+    sustained,
+    uneven_lengths,
+    uniform_lengths,
+)
 
 
 def test_uneven_split_keeps_the_uniform_total():
@@ -16,21 +21,26 @@ def test_uneven_split_keeps_the_uniform_total():
     assert uneven[0] > uneven[-1] and len(set(uneven)) > 10
 
 
+def test_admission_counts_follow_the_block_arithmetic():
+    blocks = 32768  # 2 GiB of 64 KiB fp16 blocks (16 tokens x 8 heads x 128 dims, K+V)
+    watermark = blocks // 100
+    small = [205] * 32  # 13 blocks per layer
+    assert admit_count(2 * GIB, small, 100, "grow") == (blocks - watermark) // (13 * 32)
+    assert admit_count(2 * GIB, small, 100, "reserve") == blocks // (20 * 32)  # 305 tokens: 20 blocks
+    assert admit_count(2 * GIB, [2048] * 32, 100, "reserve") == blocks // (135 * 32)
+
+
 def test_ten_percent_caches_admit_at_least_nine_times_the_full_caches():
     adm = admission(2 * GIB, prompt=2048, max_new_tokens=100)
-    assert adm["num_blocks"] == 32768  # 2 GiB of 64 KiB fp16 blocks (16 tokens x 8 heads x 128 dims, K+V)
-    for reserve in (0, 100):
-        for r in _rows(adm, reserve).values():  # one-by-one allocation agrees with the block arithmetic
-            assert r["admitted"] == adm["num_blocks"] // r["blocks_per_seq"]
-    caches = _rows(adm, 0)
-    assert caches["100%"]["admitted"] == 8
-    assert caches["10% uniform"]["vs_full"] >= 9
-    assert caches["10% uneven (VL-Cache-like)"]["vs_full"] >= 9
-    # Reserving 100 new tokens per sequence costs the 10% cache about half its size again: 7 vs 51 seqs.
-    reserved = _rows(adm, 100)
-    assert (reserved["100%"]["admitted"], reserved["10% uniform"]["admitted"]) == (7, 51)
-    # Per-layer tables cost nothing: an uneven split admits as many sequences as the uniform one (+-1
-    # for each layer's last partly used block).
-    for rows in (caches, reserved):
-        assert abs(rows["10% uneven (VL-Cache-like)"]["admitted"] - rows["10% uniform"]["admitted"]) <= 1
-    assert adm["max_reserve_by_blocks"] == 19
+    for case in ("10% uniform", "10% uneven (VL-Cache-like)"):
+        assert row_of(adm, "grow", case)["admitted_vs_full"] >= 9
+        assert row_of(adm, "reserve", case)["admitted_vs_full"] < 9  # what reserving 100 tokens costs
+        assert row_of(adm, "reserve", case)["preemptions"] == 0
+
+
+def test_sustained_loop_preempts_and_finishes_sequences():
+    small = sustained(256 << 20, [205] * 32, 40, "grow")
+    assert small["preemptions"] > 0 and small["finished"] > 0
+    # Never more decoding than admission alone would allow, never fewer than the reserve policy holds.
+    assert admit_count(256 << 20, [205] * 32, 40, "reserve") <= small["mean_running"]
+    assert small["mean_running"] <= admit_count(256 << 20, [205] * 32, 40, "grow")

@@ -36,6 +36,41 @@ def test_random_allocate_free_keeps_exact_accounting():
     assert pool.num_free == pool.num_blocks
 
 
+def test_random_allocate_append_free_keeps_exact_accounting():
+    pool = KVPool(num_blocks=120, block_size=4, num_kv_heads=1, head_dim=2)
+    rng = random.Random(1)
+    live: list[tuple[object, list[int]]] = []  # (blocks, per layer tokens)
+    appended = refused = 0
+    for _ in range(5000):
+        r = rng.random()
+        if live and r < 0.2:
+            pool.free(live.pop(rng.randrange(len(live)))[0])
+        elif live and r < 0.8:
+            blocks, lengths = live[rng.randrange(len(live))]
+            need = pool.blocks_to_append(blocks, lengths)
+            before = pool.num_free
+            if pool.append(blocks, lengths):
+                appended += 1
+                assert pool.num_free == before - need
+                lengths[:] = [n + 1 for n in lengths]
+            else:
+                refused += 1
+                assert need > before and pool.num_free == before  # all or nothing
+        else:
+            lengths = [rng.randint(1, 9) for _ in range(3)]
+            got = pool.allocate(lengths, 0)
+            if got is not None:
+                live.append((got, lengths))
+        for blocks, lengths in live:  # every token has a slot; no layer holds a block it does not need
+            assert all(-(-n // 4) == len(t) for t, n in zip(blocks.tables, lengths, strict=True))
+        owned = [b for s, _ in live for t in s.tables for b in t]
+        assert len(owned) == len(set(owned)) and len(owned) + pool.num_free == pool.num_blocks
+    assert appended > 1000 and refused > 0
+    for blocks, _ in live:
+        pool.free(blocks)
+    assert pool.num_free == pool.num_blocks
+
+
 def test_double_free_raises():
     pool = KVPool(8, 4, 1, 2)
     s = pool.allocate([3], 0)

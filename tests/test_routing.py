@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 import pytest
@@ -20,7 +22,7 @@ from tests.test_e2e_equality import random_png
 def cluster(tiny_model_dirs):
     cfg = ServerConfig(
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
-        pool=PoolConfig(pool_bytes=1 << 20, cache_wait_ms=600_000),
+        pool=PoolConfig(pool_bytes=1 << 20, cache_wait_ms=600_000, admit_wait_s=2.0),
     )
     c = InProcCluster(cfg)
     c.second = c.run(start_decode_worker(cfg, model=c.model, tokenizer=c.processor.tokenizer))
@@ -63,10 +65,20 @@ def test_requests_go_to_the_worker_with_room(cluster):
     with pytest.raises(grpc.RpcError) as err:
         generate(cluster.stub, req, timeout=60)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "no decode worker has room" in err.value.details()
-    # the parked caches are freed when their lease ends (shortened here)
+    assert "no decode worker had room for this request within 2 s" in err.value.details()
+    # A request queued at the gateway goes ahead as soon as a worker has room again: the parked caches
+    # are freed when their lease ends (ended early here).
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(out=generate(cluster.stub, req, timeout=60)))
+    waiter.start()
+    deadline = time.time() + 5
+    while cluster.gateway.servicer.router.num_queued == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert cluster.gateway.servicer.router.num_queued == 1
     for servicer in (cluster.decode.servicer, cluster.second.servicer):
         for rid in list(servicer._arrived):
             cluster.loop.call_soon_threadsafe(servicer._expire, rid)
+    waiter.join(30)
+    assert result["out"].finished is not None and cluster.gateway.servicer.router.num_queued == 0
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), cluster.loop).result(5)
     assert full.num_free == full.num_blocks and empty.num_free == empty.num_blocks

@@ -71,7 +71,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint")
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,10 @@ class WorkerLoad(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVES_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     waiting: int
@@ -88,4 +92,8 @@ class WorkerLoad(_message.Message):
     block_size: int
     draining: bool
     model_fingerprint: str
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    admit_blocks: int
+    reserves_new_tokens: bool
+    swapped: int
+    preemptions: int
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,198 @@
+"""Admission "grow": caches take blocks for their tokens only, grow while decoding, and the newest sequence
+is preempted (swapped to host memory) when the pool runs out; it resumes and yields the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.kv_wire import KVWireError
+from vlkv.common.model_loading import load_model, load_processor
+from vlkv.common.sampling import SamplingConfig
+from vlkv.decode_worker.detokenizer import IncrementalText
+from vlkv.decode_worker.engine import DecodeEngine, Sequence
+from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.model_runner import ModelRunner
+from vlkv.services.client import build_request, generate
+from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2
+
+from tests.inproc_cluster import InProcCluster
+from tests.test_e2e_equality import random_png
+
+BLOCK_BYTES = 1024  # the tiny GQA model: K and V, 2 KV heads, 4 tokens, head dim 16, fp32
+POOL_BLOCKS = 60  # a full-cache prompt (27 tokens, 2 layers) takes 14 blocks, 34 with 40 new tokens
+MAX_NEW = 40
+
+
+def _req(i: int):
+    return build_request(
+        images=[random_png(i)], question="what colour is the square ?", max_new_tokens=MAX_NEW, policy="full"
+    )
+
+
+def _cluster(model_dir: str, **pool) -> InProcCluster:
+    cfg = PoolConfig(pool_bytes=POOL_BLOCKS * BLOCK_BYTES, block_size=4, **pool)
+    c = InProcCluster(ServerConfig(model=ModelConfig(path=model_dir), pool=cfg))
+    assert c.pool.num_blocks == POOL_BLOCKS and c.pool.block_bytes == BLOCK_BYTES
+    return c
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_model_dirs):
+    """Each request decoded alone in a roomy pool."""
+    c = InProcCluster(ServerConfig(model=ModelConfig(path=tiny_model_dirs("llava-gqa"))))
+    try:
+        yield {i: generate(c.stub, _req(i)).token_ids for i in range(4)}
+    finally:
+        c.close()
+
+
+def _run_staggered(c: InProcCluster, ids: list[int]) -> dict:
+    """Start each request once the previous one streams, so every cache is admitted before any grows."""
+    results: dict = {}
+
+    def run(i: int, started: threading.Event) -> None:
+        try:
+            out = []
+            for resp in c.stub.Generate(_req(i)):
+                started.set()
+                if resp.HasField("token"):
+                    out.extend(resp.token.token_ids)
+            results[i] = out
+        except grpc.RpcError as exc:
+            results[i] = exc.code()
+        finally:
+            started.set()
+
+    threads = []
+    for i in ids:
+        started = threading.Event()
+        t = threading.Thread(target=run, args=(i, started))
+        t.start()
+        threads.append(t)
+        started.wait(30)
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _load(c: InProcCluster) -> worker_pb2.WorkerLoad:
+    return c.run(c.decode.servicer.GetLoad(worker_pb2.LoadRequest(), None))
+
+
+def _engine_run(model, tokenizer, pool_blocks: int, swap_bytes: int, n_seqs: int = 4) -> tuple[dict, object]:
+    """Submit ``n_seqs`` random full caches (27 tokens per layer) at once and decode them greedily."""
+    pool = KVPool(pool_blocks, 4, num_kv_heads=2, head_dim=16)
+    engine = DecodeEngine(ModelRunner(model, pool), pool, max_batch=8, swap_bytes=swap_bytes)
+    g = torch.Generator().manual_seed(0)
+
+    async def main():
+        engine.start()
+        seqs = []
+        for i in range(n_seqs):
+            blocks = pool.allocate([27, 27], 0)
+            assert blocks is not None
+            for table in blocks.tables:
+                pool.write(table, torch.randn(2, 27, 16, generator=g), torch.randn(2, 27, 16, generator=g))
+            seq = Sequence(
+                f"r{i}", blocks, [27, 27], 27, 3 + i, SamplingConfig(max_new_tokens=MAX_NEW), set(),
+                generate_pb2.Usage(), IncrementalText(tokenizer, []),
+            )  # fmt: skip
+            engine.submit(seq)
+            seqs.append(seq)
+        out = {}
+        for seq in seqs:
+            while True:
+                kind, *rest = await seq.events.get()
+                if kind != "token":
+                    out[seq.request_id] = seq.generated if kind == "finished" else rest[0].code
+                    break
+        await engine.stop()
+        return out
+
+    return asyncio.run(main()), engine
+
+
+def test_preempted_sequences_resume_with_the_same_tokens(tiny_model_dirs):
+    model_dir = tiny_model_dirs("llava-gqa")
+    model = load_model(ModelConfig(path=model_dir))
+    tokenizer = load_processor(model_dir).tokenizer
+    roomy, big = _engine_run(model, tokenizer, pool_blocks=200, swap_bytes=0)
+    assert big.preemptions == 0
+    tight, small = _engine_run(model, tokenizer, pool_blocks=POOL_BLOCKS, swap_bytes=1 << 20)
+    assert small.preemptions > 0  # 4 x 14 blocks admitted; together they grow to 4 x 34
+    assert tight == roomy and all(len(t) == MAX_NEW for t in tight.values())
+    assert small.pool.num_free == POOL_BLOCKS and small.swap_used == 0 and not small.swapped
+
+
+def test_no_swap_space_fails_the_newest_sequence_only(tiny_model_dirs):
+    model_dir = tiny_model_dirs("llava-gqa")
+    model = load_model(ModelConfig(path=model_dir))
+    tokenizer = load_processor(model_dir).tokenizer
+    roomy, _ = _engine_run(model, tokenizer, pool_blocks=200, swap_bytes=0)
+    tight, small = _engine_run(model, tokenizer, pool_blocks=POOL_BLOCKS, swap_bytes=1)
+    failed = sorted(r for r, t in tight.items() if t == grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert failed and "r0" not in failed  # the oldest is never the one preempted
+    assert all(tight[r] == roomy[r] for r in tight if r not in failed)
+    assert small.pool.num_free == POOL_BLOCKS
+
+
+def test_cluster_under_pool_pressure_answers_every_request(tiny_model_dirs, solo):
+    c = _cluster(tiny_model_dirs("llava-gqa"), watermark=0.0)
+    try:
+        results = _run_staggered(c, [0, 1, 2, 3])
+        assert {i: r for i, r in results.items() if not isinstance(r, list)} == {}
+        assert results == solo
+        deadline = time.time() + 10
+        while c.pool.num_free != POOL_BLOCKS and time.time() < deadline:
+            time.sleep(0.05)
+        load = _load(c)
+        assert load.free_blocks == POOL_BLOCKS and load.swapped == 0
+        assert load.preemptions == c.decode.servicer.engine.preemptions and not load.reserves_new_tokens
+    finally:
+        c.close()
+
+
+def test_reserve_mode_queues_at_the_gateway_and_never_preempts(tiny_model_dirs, solo):
+    c = _cluster(tiny_model_dirs("llava-gqa"), admission="reserve")
+    try:
+        assert _load(c).reserves_new_tokens
+        results = _run_staggered(c, [0, 1])  # 34 blocks each with max_new_tokens reserved: one at a time
+        assert results == {0: solo[0], 1: solo[1]}
+        assert c.decode.servicer.engine.preemptions == 0
+    finally:
+        c.close()
+
+
+def test_full_pool_without_a_queue_is_resource_exhausted(tiny_model_dirs, solo):
+    c = _cluster(tiny_model_dirs("llava-gqa"), admission="reserve", max_waiting=0)
+    try:
+        results = _run_staggered(c, [0, 1])
+        assert results == {0: solo[0], 1: grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert c.pool.num_free == POOL_BLOCKS
+    finally:
+        c.close()
+
+
+def test_request_that_can_never_fit_is_refused(tiny_model_dirs):
+    c = _cluster(tiny_model_dirs("llava-gqa"))
+    try:
+        req = _req(0)
+        req.sampling.max_new_tokens = 4 * POOL_BLOCKS  # more tokens than the pool could ever hold
+        with pytest.raises(grpc.RpcError) as err:
+            generate(c.stub, req)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "needs more KV blocks than a decode worker holds" in err.value.details()
+        header = kv_pb2.KVHeader(request_id="big", layer_lengths=[27, 27])  # the decode worker checks too
+        header.sampling.max_new_tokens = 4 * POOL_BLOCKS
+        with pytest.raises(KVWireError) as err:
+            c.decode.servicer._allocate(header)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the pool has" in str(err.value)
+        assert c.pool.num_free == POOL_BLOCKS
+    finally:
+        c.close()

@@ -21,6 +21,27 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """Client side: ping the peer every ``keepalive_s`` while calls are open and close the connection when
+    a ping is not answered within ``keepalive_s``, so calls to a hung or vanished process (SIGSTOP, a dead
+    host, a silent network partition) fail with UNAVAILABLE instead of waiting for ever. 0: off."""
+    if keepalive_s <= 0:
+        return []
+    ms = max(1, int(keepalive_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),  # any ping in flight (BDP probes too) times out as fast
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging on a quiet server stream
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
+
+
+# Server side of internal keepalive: answer a peer's pings however often it sends them (the default answers
+# a ping sent sooner than 5 minutes after the last one with a GOAWAY after two such "strikes").
+ACCEPT_PINGS = [("grpc.http2.max_ping_strikes", 0)]
+
+
 class Server:
     """A grpc.aio server with the standard health service and reflection for ``service_names``."""
 
@@ -32,8 +53,11 @@ class Server:
         max_message_bytes: int,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: tuple = (),
+        accept_pings: bool = False,
     ) -> None:
-        self.server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
+        """``accept_pings``: an internal server, whose peers keep connections alive (``keepalive_options``)."""
+        options = channel_options(max_message_bytes) + (ACCEPT_PINGS if accept_pings else [])
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
@@ -67,9 +91,12 @@ class Server:
         await self.server.wait_for_termination()
 
 
-def make_channel(address: str, security, max_message_bytes: int) -> grpc.aio.Channel:
-    """An internal channel: TLS (with our client certificate under mutual TLS) when configured."""
-    options = channel_options(max_message_bytes)
+def make_channel(
+    address: str, security, max_message_bytes: int, keepalive_s: float = 0.0
+) -> grpc.aio.Channel:
+    """An internal channel: TLS (with our client certificate under mutual TLS) when configured, and
+    keepalive pings (``keepalive_options``)."""
+    options = channel_options(max_message_bytes) + keepalive_options(keepalive_s)
     creds = security.channel_credentials()
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)

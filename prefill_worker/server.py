@@ -39,6 +39,15 @@ def eos_ids(model, tokenizer) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
+async def _delayed(chunks, delay_s: float):
+    """Fault injection for tests (``TransferConfig.fault_chunk_delay_ms``): pause before every chunk after
+    the header, so the decode worker has reserved the blocks and the hand-off is visibly in flight."""
+    for i, chunk in enumerate(chunks):
+        if i:
+            await asyncio.sleep(delay_s)
+        yield chunk
+
+
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, model, processor, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -61,7 +70,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """A ``TransferKV`` sender on the channel kept open to each decode worker."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = make_channel(address, self.cfg.security, self.cfg.limits.max_message_bytes)
+            ch = make_channel(
+                address, self.cfg.security, self.cfg.limits.max_message_bytes, self.cfg.keepalive_s
+            )
             self._channels[address] = ch
         t = self.cfg.transfer
         return GrpcKVSender(ch, chunk_bytes=t.chunk_bytes, timeout_s=t.deadline_s)
@@ -95,6 +106,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             chunk_bytes=self.cfg.transfer.chunk_bytes,
             wire=True,  # serialized chunks, encoded lazily as gRPC flow control admits them
         )
+        if self.cfg.transfer.fault_chunk_delay_ms:  # tests only (see TransferConfig)
+            chunks = _delayed(chunks, self.cfg.transfer.fault_chunk_delay_ms / 1000)
         start = time.perf_counter()
         try:
             await self._sender(request.decode_address).send_chunks(chunks)

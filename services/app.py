@@ -70,6 +70,7 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
         [_service_name(worker_pb2, "PrefillWorker")],
         cfg.limits.max_message_bytes,
         credentials=cfg.security.server_credentials(internal=True),
+        accept_pings=True,  # the gateway and prefill workers keep their connections here alive
     )
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address
@@ -90,6 +91,7 @@ async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, toke
         [_service_name(worker_pb2, "DecodeWorker")],
         cfg.limits.max_message_bytes,
         credentials=cfg.security.server_credentials(internal=True),
+        accept_pings=True,  # the gateway and prefill workers keep their connections here alive
     )
     add_decode_servicer(servicer, server.server)  # TransferKV on raw bytes: the zero-copy path
     servicer.address = server.address
@@ -104,7 +106,7 @@ async def start_gateway(
 ) -> Running:
     processor = processor if processor is not None else load_processor(cfg.model.path)
     model_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-    router = Router(cfg.limits.max_message_bytes, cfg.security)
+    router = Router(cfg.limits.max_message_bytes, cfg.security, keepalive_s=cfg.keepalive_s)
     for a in prefill:
         router.add_prefill(a)
     for a in decode:

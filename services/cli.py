@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         help="VL-Cache ablations (scorer/allocator/window swaps, kept tokens, hit rates, oracles) -> ablation.md",
     )
     p.add_argument("--allocator", default="", help="layer budget allocator: sparsity, uniform, pyramid, cake")
-    p.add_argument("--exact-budget", action="store_true", help="sparsity allocator: hit alpha * L * m exactly")
+    p.add_argument(
+        "--exact-budget", action="store_true", help="sparsity allocator: hit alpha * L * m exactly"
+    )
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
     p.set_defaults(func=cmd_eval)
 

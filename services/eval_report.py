@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from vlkv.common.compression.registry import POLICY_NAMES
+from vlkv.common.compression.registry import POLICY_NAMES, get_policy
 from vlkv.common.config import ModelConfig
 from vlkv.common.model_loading import load_model, load_processor
 from vlkv.common.synthetic_task import make_examples
@@ -25,9 +25,17 @@ def run_eval(args) -> int:
     full = evaluate(model, processor, prepared, "full", 1.0, args.max_new_tokens)
     if args.table:
         return _table(args, model, processor, prepared, full, start)
-    res = evaluate(model, processor, prepared, args.policy, args.budget, args.max_new_tokens)
+    if getattr(args, "ablation", False):
+        from vlkv.services.eval_ablation import run_ablation
+
+        return run_ablation(args, model, processor, prepared, full.accuracy, start)
+    params = {"allocator": getattr(args, "allocator", None) or None}
+    if getattr(args, "exact_budget", False):
+        params["exact_budget"] = True
+    res = evaluate(model, processor, prepared, args.policy, args.budget, args.max_new_tokens, **params)
     report = {
         "policy": args.policy,
+        "allocator": get_policy(args.policy, **params).allocator,
         "budget": args.budget,
         "examples": len(prepared),
         "accuracy": res.accuracy,
@@ -40,7 +48,10 @@ def run_eval(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"policy {args.policy} at budget {args.budget:.0%} on {len(prepared)} held-out examples")
+        print(
+            f"policy {args.policy} (allocator {report['allocator']}) at budget {args.budget:.0%}"
+            f" on {len(prepared)} held-out examples"
+        )
         print(
             f"  accuracy {res.accuracy:.3f}  (full cache {full.accuracy:.3f}, relative {report['relative_accuracy']:.3f})"
         )

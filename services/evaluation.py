@@ -150,15 +150,26 @@ def decode_batch(model, caches: list[CompactKV], max_new_tokens: int, eos: set[i
     return [s["out"] for s in seqs]
 
 
-def cache_hit_rate(prep: Prepared, policy_name: str, k_ratio: float, threshold: float = 0.01) -> list[float]:
-    """Per layer: |policy top-k ∩ true top-k| / k, per KV head (true attention summed over its group)."""
-    policy = get_policy(policy_name)
+def cache_hit_rate(
+    prep: Prepared,
+    policy_name: str,
+    k_ratio: float,
+    threshold: float = 0.01,
+    truth: list[torch.Tensor] | None = None,
+    **params,
+) -> list[float]:
+    """Per layer: |policy top-k ∩ true top-k| / k, per KV head (true attention summed over its group).
+
+    truth: per layer ``[H, m]`` attention to rank against; default the first decoding token's
+    (``prep.next_attention``, paper section 3.2). params: policy parameters (e.g. ``pool_kernel``).
+    """
+    policy = get_policy(policy_name, **params)
     stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if policy.requires_stats else None
     k = max(1, math.ceil(k_ratio * prep.m))
     rates = []
     for layer, (keys, values) in enumerate(zip(prep.keys, prep.values, strict=True)):
         scores = policy.score(layer, None if stats is None else stats[layer], keys, values, prep.m, prep.tau)
-        att = prep.next_attention[layer]
+        att = (prep.next_attention if truth is None else truth)[layer]
         true = att.view(keys.shape[0], -1, prep.m).sum(1)  # [H_kv, m]
         hit = 0.0
         for h in range(keys.shape[0]):
@@ -179,8 +190,31 @@ class EvalResult:
     answers: list[str] = field(repr=False, default_factory=list)
 
 
-def evaluate(model, processor, prepared: list[Prepared], policy: str, budget: float, max_new_tokens: int = 8):
-    caches = [compress(p, policy, budget) for p in prepared]
+def evaluate(
+    model,
+    processor,
+    prepared: list[Prepared],
+    policy: str,
+    budget: float,
+    max_new_tokens: int = 8,
+    threshold: float = 0.01,
+    **params,
+):
+    """Accuracy of ``policy`` at ``budget``; params go to ``get_policy`` (``allocator``, ``recent_ratio``...)."""
+    caches = [compress(p, policy, budget, threshold, **params) for p in prepared]
+    return evaluate_caches(model, processor, prepared, caches, policy, budget, max_new_tokens)
+
+
+def evaluate_caches(
+    model,
+    processor,
+    prepared: list[Prepared],
+    caches: list[CompactKV],
+    policy: str,
+    budget: float,
+    max_new_tokens: int = 8,
+) -> EvalResult:
+    """Decode already compressed caches (one per prepared example) and score the answers."""
     eos = {processor.tokenizer.eos_token_id}
     outs = decode_batch(model, caches, max_new_tokens, eos)
     texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]

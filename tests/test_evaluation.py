@@ -6,10 +6,11 @@ import io
 
 import pytest
 import torch
+from vlkv.common.compression.registry import get_policy
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.synthetic_task import make_examples, prompt_text
 from vlkv.services.client import build_request, generate
-from vlkv.services.evaluation import cache_hit_rate, compress, decode_batch, prepare
+from vlkv.services.evaluation import cache_hit_rate, compress, decode_batch, evaluate, prepare
 
 from tests.inproc_cluster import InProcCluster
 
@@ -69,3 +70,24 @@ def test_cache_hit_rate_is_a_share_and_full_budget_hits_everything(setup):
     rates = cache_hit_rate(prepared[0], "vlcache", 0.1)
     assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates)
     assert cache_hit_rate(prepared[0], "h2o", 1.0) == [1.0, 1.0, 1.0]
+
+
+def test_cache_hit_rate_takes_a_truth_and_policy_params(setup):
+    _, _, prepared = setup
+    p = prepared[0]
+    assert cache_hit_rate(p, "vlcache", 0.2, truth=p.next_attention) == cache_hit_rate(p, "vlcache", 0.2)
+    assert cache_hit_rate(p, "snapkv", 1.0, truth=p.next_attention, pool_kernel=1) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError):
+        cache_hit_rate(p, "vlcache", 0.1, no_such_parameter=1)
+
+
+def test_evaluate_passes_policy_params(setup):
+    cluster, _, prepared = setup
+    res = evaluate(cluster.model, cluster.processor, prepared, "vlcache", 0.3, 4, allocator="pyramid")
+    layers = len(prepared[0].keys)
+    budgets = [get_policy("vlcache", allocator="pyramid").allocate(None, 0.3, p.m, layers) for p in prepared]
+    want = [
+        sum(b[i] / p.m for b, p in zip(budgets, prepared, strict=True)) / len(prepared) for i in range(layers)
+    ]
+    assert res.layer_budget_share == pytest.approx(want)
+    assert len(res.answers) == len(prepared)

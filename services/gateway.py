@@ -4,7 +4,9 @@ For each ``Generate`` call the gateway validates everything it can before any wo
 placeholders, prompt length, sampling and compression parameters), picks a decode worker with room and the
 least-loaded prefill worker, opens the decode worker's token stream, and starts the prefill (which hands
 the cache to that decode worker). A prefill failure cancels the token stream and ends the call with the
-prefill's status; a client that goes away cancels both.
+prefill's status; a client that goes away cancels both. A decode worker that refuses the cache for lack of
+blocks (the load the gateway chose it on was stale: other requests took the room first) costs one more
+pick, waiting in the admission queue, and one more prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID = 128
+HAND_OFF_ATTEMPTS = 2  # a decode worker that refuses a cache for room gets one more pick (and prefill)
 
 
 class GatewayServicer(generate_pb2_grpc.GenerationServicer):
@@ -112,21 +115,35 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         logs.request_id.set(rid)
         kept = m if compression.is_full else min(m, math.ceil(compression.budget * m))
-        pool = self.cfg.pool
-        decode = await self.router.pick_decode(
-            [kept] * self.num_layers, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
-        )
         prefill_req = worker_pb2.PrefillRequest(
             request_id=rid,
             images=list(request.images),
             prompt=prompt,
             sampling=sampling.to_proto(),
             compression=request.compression,
-            decode_address=decode.address,
         )
+        pool = self.cfg.pool
+        for attempt in range(HAND_OFF_ATTEMPTS):
+            decode = await self.router.pick_decode(
+                [kept] * self.num_layers, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
+            )
+            prefill_req.decode_address = decode.address
+            prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
+            try:
+                async for resp in self._run(prefill_req, decode, start, rid):
+                    yield resp
+                return
+            except _NoRoom as exc:  # the load it was picked on is stale; the worker's exact count disagreed
+                if attempt + 1 == HAND_OFF_ATTEMPTS:
+                    raise exc.error from None
+                self.metrics.hand_off_retries.inc()
+                log.info("request %s: %s; waiting for room again", rid, exc.error.message)
+
+    async def _run(self, prefill_req: worker_pb2.PrefillRequest, decode, start: float, rid: str):
+        """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there."""
         deadline = self.cfg.transfer.deadline_s
         decode_call = decode.stub.Decode(
-            worker_pb2.DecodeRequest(request_id=rid, wait_ms=int(deadline * 3000))
+            worker_pb2.DecodeRequest(request_id=prefill_req.request_id, wait_ms=int(deadline * 3000))
         )
         decode.in_flight += 1
         prefill_task = asyncio.ensure_future(self._prefill(prefill_req))
@@ -155,6 +172,8 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             failure = _prefill_failure(prefill_task)
             if failure is not None:
+                if last is None and _refused_for_room(failure):
+                    raise _NoRoom(failure) from None
                 raise failure from None
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -166,6 +185,18 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             decode_call.cancel()
             if not prefill_task.done():
                 prefill_task.cancel()
+
+
+class _NoRoom(Exception):
+    """The chosen decode worker refused the cache for lack of blocks (before any token was streamed)."""
+
+    def __init__(self, error: VlkvError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _refused_for_room(error: VlkvError) -> bool:
+    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool full" in error.message
 
 
 def _public_code(code: grpc.StatusCode) -> grpc.StatusCode:

@@ -30,6 +30,11 @@ class GatewayMetrics:
         self.kv_bytes = Counter(
             "vlkv_kv_bytes_handed_over", "compact KV bytes sent prefill -> decode", registry=r
         )
+        self.hand_off_retries = Counter(
+            "vlkv_hand_off_retries",
+            "caches a decode worker refused for room, sent again elsewhere",
+            registry=r,
+        )
         labels = ["kind", "address"]
         self.worker_running = Gauge("vlkv_worker_running", "requests running on a worker", labels, registry=r)
         self.worker_waiting = Gauge("vlkv_worker_waiting", "requests queued on a worker", labels, registry=r)

@@ -82,3 +82,38 @@ def test_requests_go_to_the_worker_with_room(cluster):
     assert result["out"].finished is not None and cluster.gateway.servicer.router.num_queued == 0
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), cluster.loop).result(5)
     assert full.num_free == full.num_blocks and empty.num_free == empty.num_blocks
+
+
+def test_cache_refused_for_room_is_sent_again_after_waiting(cluster, monkeypatch):
+    """The gateway picked a worker on a stale load (another request took the room first): the worker
+    refuses the cache at hand-off, and the gateway queues the request for room instead of failing it."""
+    router, metrics = cluster.gateway.servicer.router, cluster.gateway.servicer.metrics
+    _fill(cluster, cluster.decode.address, leave_free=5)
+    _fill(cluster, cluster.second.address, leave_free=5)
+    real, calls = router._try_decode, []
+
+    async def stale_first(layer_tokens, max_new_tokens):
+        calls.append(1)
+        if len(calls) == 1:  # as if its GetLoad had been answered before the pool filled up
+            return router.decode[cluster.decode.address]
+        return await real(layer_tokens, max_new_tokens)
+
+    monkeypatch.setattr(router, "_try_decode", stale_first)
+    retries = metrics.registry.get_sample_value("vlkv_hand_off_retries_total")
+    req = build_request(images=[random_png(3)], question="what colour is the square ?", max_new_tokens=20)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(out=generate(cluster.stub, req, timeout=60)))
+    waiter.start()
+    deadline = time.time() + 10
+    while router.num_queued == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert router.num_queued == 1 and "out" not in result  # refused at hand-off, now waiting for room
+    assert metrics.registry.get_sample_value("vlkv_hand_off_retries_total") == retries + 1
+    for servicer in (cluster.decode.servicer, cluster.second.servicer):
+        for rid in list(servicer._arrived):
+            cluster.loop.call_soon_threadsafe(servicer._expire, rid)
+    waiter.join(30)
+    assert result["out"].finished is not None and result["out"].token_ids
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), cluster.loop).result(5)
+    for servicer in (cluster.decode.servicer, cluster.second.servicer):
+        assert servicer.pool.num_free == servicer.pool.num_blocks

@@ -51,7 +51,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.draining = False
         self._arrived: dict[str, tuple[Sequence, asyncio.TimerHandle]] = {}
         self._waiters: dict[str, asyncio.Future] = {}
-        self._in_transfer: set[str] = set()
+        self._in_transfer: dict[str, KVAssembler] = {}  # request id -> the transfer that carries it
+        self._superseded: set[KVAssembler] = set()
 
     async def start(self) -> None:
         self.engine.start()
@@ -63,10 +64,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # -- hand-off ------------------------------------------------------------------------------------
     def _allocate(self, header: kv_pb2.KVHeader):
-        if header.request_id in self._arrived or header.request_id in self._in_transfer:
+        if header.request_id in self._arrived:
             raise KVWireError(
                 grpc.StatusCode.ALREADY_EXISTS, f"a cache for {header.request_id!r} is already here"
             )
+        earlier = self._in_transfer.get(header.request_id)
+        if earlier is not None:  # a retried prefill: its first sender died mid-transfer
+            log.warning("request %s: a new transfer supersedes an unfinished one", header.request_id)
+            self._superseded.add(earlier)
         try:
             return self.admission.admit(
                 self.pool,
@@ -94,16 +99,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if not rid and assembler.header is not None:
                     rid = assembler.header.request_id
                     logs.request_id.set(rid)
-                    self._in_transfer.add(rid)
+                    self._in_transfer[rid] = assembler
             header, ckv = assembler.finish()
+            if assembler in self._superseded:
+                self.pool.free(assembler.handle)
+                raise KVWireError(grpc.StatusCode.ABORTED, f"a newer transfer of {rid!r} superseded this one")
         except KVWireError as exc:
-            self._in_transfer.discard(rid)
+            self._end_transfer(rid, assembler)
             await context.abort(exc.code, str(exc))
         except BaseException:
             assembler.abort()
-            self._in_transfer.discard(rid)
+            self._end_transfer(rid, assembler)
             raise
-        self._in_transfer.discard(rid)
+        self._end_transfer(rid, assembler)
         blocks = assembler.handle
         for layer, table in enumerate(blocks.tables):
             self.pool.write(table, ckv.keys[layer], ckv.values[layer])
@@ -116,6 +124,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.TransferAck(
             bytes_received=assembler.bytes_received, blocks_allocated=blocks.num_blocks
         )
+
+    def _end_transfer(self, rid: str, assembler: KVAssembler) -> None:
+        if self._in_transfer.get(rid) is assembler:
+            del self._in_transfer[rid]
+        self._superseded.discard(assembler)
 
     def _make_sequence(self, header: kv_pb2.KVHeader, ckv, blocks) -> Sequence:
         sampling = sampling_from_proto(header.sampling, self.cfg.limits)

@@ -5,6 +5,9 @@ Each bad stream gets its status, the worker keeps serving, and its pool returns 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -153,3 +156,42 @@ def _good_transfer_then_decode(cluster, rid: str) -> None:
     )
     assert msgs[-1].HasField("finished")
     assert msgs[0].token.token_ids[0] == 5  # the header's first token is streamed first
+
+
+def test_retried_transfer_supersedes_an_unfinished_one(cluster):
+    """A prefill retried after its first worker died mid-transfer sends the same request id again: the new
+    transfer is taken, the unfinished one is refused (ABORTED) when it ends, and its blocks are freed."""
+    servicer, free = cluster.decode.servicer, cluster.pool.num_free
+    chunks = _stream(cluster, "retried", m=40)
+    go_on, outcome = threading.Event(), {}
+
+    def stalled():  # the first sender: header and one layer chunk, then silence until released
+        yield from chunks[:2]
+        go_on.wait(30)
+        yield from chunks[2:]
+
+    def first():
+        try:
+            cluster.decode_stub.TransferKV(stalled(), timeout=60)
+            outcome["first"] = "ok"
+        except grpc.RpcError as exc:
+            outcome["first"] = exc.code()
+
+    t = threading.Thread(target=first)
+    t.start()
+    deadline = time.time() + 10
+    while cluster.pool.num_free == free and time.time() < deadline:
+        time.sleep(0.01)
+    one = free - cluster.pool.num_free
+    assert one > 0
+    ack = cluster.decode_stub.TransferKV(iter(_stream(cluster, "retried", m=40)), timeout=30)
+    assert ack.blocks_allocated == one and cluster.pool.num_free == free - 2 * one
+    go_on.set()  # the first stream completes after all, but it was superseded
+    t.join(30)
+    assert outcome["first"] == grpc.StatusCode.ABORTED
+    assert cluster.pool.num_free == free - one and "retried" in servicer._arrived
+    cluster.loop.call_soon_threadsafe(servicer._expire, "retried")
+    deadline = time.time() + 5
+    while cluster.pool.num_free != free and time.time() < deadline:
+        time.sleep(0.01)
+    assert cluster.pool.num_free == free and not servicer._in_transfer and not servicer._superseded

@@ -1,7 +1,7 @@
 """Benchmark of the compact-KV hand-off: bytes on the wire and gRPC vs plain-TCP loopback throughput.
 
 A 2K-token prompt on a 7B-shaped layout (32 layers, 8 KV heads, head dim 128, fp16) at budgets 10%
-and 100%. Receivers run in a separate process. Three transfers of the same cache, interleaved in
+and 100%. Receivers run in a separate process. Four transfers of the same cache, interleaved in
 every repeat so they see the same machine load (ratios are medians of per-repeat ratios):
 
 - gRPC: a real ``grpc.aio`` server whose ``TransferKV`` takes raw bytes, as the decode worker's does,
@@ -11,12 +11,25 @@ every repeat so they see the same machine load (ratios are medians of per-repeat
 - TCP: a plain socket sending the already-serialized chunk bytes, drained into a buffer: the ceiling.
 - TCP+fmt (diagnostic): the same socket, but the sender encodes lazily and the receiver runs the same
   ``KVAssembler`` on length-prefixed messages - what the wire format costs without gRPC.
+- gRPC raw (diagnostic): grpcio's own data path with no vlkv work at all - the same channel options and
+  ``GrpcKVSender.send_chunks`` stream the already-serialized chunk bytes into a handler that only counts
+  them (no encode, no CRC-32C, no assembler): the ceiling any code on top of grpcio can reach.
 
 CPU s/GB is the user+system time of the sender and the receiving process per GB moved, averaged over
-the repeats (also split into send/recv): on a machine whose cores are busy with other work, throughput follows it. gRPC's own
-data path (grpcio copies each message once into its slices when sending, and joins the received slices
-into a ``bytes`` when receiving, on top of the kernel's socket copies) is what separates it from TCP.
-The load average before and after the run is printed: the TCP ceiling moves with it.
+the repeats (also split into send/recv): on a machine whose cores are busy with other work, throughput
+follows it. The load average before and after the run is printed: the TCP ceiling moves with it.
+
+Where gRPC loses (grpcio 1.85.1, the newest release; 2-vCPU KVM guest, ``perf record`` at 100%): its
+Python layer needs a ``bytes`` per message, copies it once more into a core slice when sending, and
+copies every received slice into a ``bytes`` and joins those when receiving - four user-space copies per
+byte (~0.11 s/GB each) on top of the kernel's two, plus event-engine thread wake-ups per read (the
+receiver's kernel time is ~0.5 s/GB against TCP's ~0.26) and ~0.15 ms of CPU per message per side.
+Channel options (HTTP/2 frame size up to 16 MiB, lookahead/BDP windows, write buffer, TCP read chunk
+and buffer sizes, TX zero-copy), chunk sizes (0.25-4 MiB) and several concurrent streams per transfer
+do not lower that CPU per GB. So "gRPC raw" - grpcio alone, no vlkv work - stays around 50-65% of the plain socket,
+and the product path (which adds CRC-32C on both ends, ~0.09 s/GB each, and the one copy that makes the
+message) sits about 10-15 points below it. At the 10% budget, 66 messages of ~0.4 MB each, the
+per-message cost dominates.
 
     python -m vlkv.common.bench_kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
 """
@@ -39,13 +52,20 @@ import torch
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.kv_assembler import KVAssembler
 from vlkv.common.kv_wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_stream
-from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler, tune_malloc
+from vlkv.common.transport import (
+    TRANSFER_KV_METHOD,
+    GrpcKVSender,
+    grpc_message_options,
+    kv_receiver_handler,
+    tune_malloc,
+)
+from vlkv.v1 import worker_pb2
 
 LAYOUT = (32, 8, 128, torch.float16)  # L, H_kv, D, dtype
 PROMPT = 2048
 FINGERPRINT = "bench-7b-shape"
 GRPC_FRAMING = 5  # gRPC's length prefix per message (HTTP/2 frame headers not counted)
-KINDS = ("grpc", "tcp", "tcp_fmt")
+KINDS = ("grpc", "tcp", "tcp_fmt", "grpc_raw")
 
 
 def make_cache(budget: float, seed: int = 0) -> CompactKV:
@@ -59,12 +79,27 @@ def make_cache(budget: float, seed: int = 0) -> CompactKV:
     return CompactKV(keys, values, prompt_length=PROMPT, first_token=1)
 
 
-def _grpc_server(chunk_bytes: int, port_q: mp.Queue, stop: mp.Event) -> None:
+async def _drain(requests, context) -> worker_pb2.TransferAck:
+    """``TransferKV`` that only counts the payload bytes of the raw messages (the gRPC raw diagnostic)."""
+    n = 0
+    async for raw in requests:
+        n += len(raw)
+    return worker_pb2.TransferAck(bytes_received=n)
+
+
+def _grpc_server(chunk_bytes: int, port_q: mp.Queue, stop: mp.Event, raw: bool = False) -> None:
     tune_malloc()
 
     async def main() -> None:
         server = grpc.aio.server(options=grpc_message_options(chunk_bytes))
-        server.add_generic_rpc_handlers([kv_receiver_handler(lambda: KVAssembler(FINGERPRINT, LAYOUT))])
+        if raw:
+            service, name = TRANSFER_KV_METHOD.strip("/").split("/")
+            handler = grpc.stream_unary_rpc_method_handler(
+                _drain, response_serializer=worker_pb2.TransferAck.SerializeToString
+            )
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
+        else:
+            server.add_generic_rpc_handlers([kv_receiver_handler(lambda: KVAssembler(FINGERPRINT, LAYOUT))])
         port_q.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         while not stop.is_set():
@@ -117,6 +152,14 @@ async def _connect(port: int, chunk_bytes: int) -> tuple[grpc.aio.Channel, GrpcK
     return channel, GrpcKVSender(channel, chunk_bytes=chunk_bytes, timeout_s=120)
 
 
+async def _grpc_raw_once(sender: GrpcKVSender, blobs: list[bytes]) -> float:
+    start = time.perf_counter()
+    ack = await sender.send_chunks(blobs)
+    elapsed = time.perf_counter() - start
+    assert ack.bytes_received == sum(len(b) for b in blobs), ack
+    return elapsed
+
+
 async def _grpc_once(sender: GrpcKVSender, ckv: CompactKV) -> float:
     header = next(encode_compact_kv(ckv, request_id="bench", fingerprint=FINGERPRINT))
     start = time.perf_counter()
@@ -163,6 +206,7 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     servers = [
         ctx.Process(target=_grpc_server, args=(chunk_bytes, port_q, stop), daemon=True),
         ctx.Process(target=_tcp_server, args=(port_q,), daemon=True),
+        ctx.Process(target=_grpc_server, args=(chunk_bytes, port_q, stop, True), daemon=True),
     ]
     ports = []
     for p in servers:
@@ -171,8 +215,10 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     rows = []
     loop = asyncio.new_event_loop()  # one long-lived channel, as a prefill worker keeps per decode worker
     channel, sender = loop.run_until_complete(_connect(ports[0], chunk_bytes))
+    raw_channel, raw_sender = loop.run_until_complete(_connect(ports[2], chunk_bytes))
     try:
         loop.run_until_complete(_grpc_once(sender, make_cache(0.05)))  # connect and warm up
+        loop.run_until_complete(_grpc_raw_once(raw_sender, [b"warm-up"]))
         for budget in (0.1, 1.0):
             ckv = make_cache(budget)
             stream = encode_compact_kv(
@@ -181,11 +227,17 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
             blobs = [c.SerializeToString() for c in stream]
             secs: dict[str, list[float]] = {k: [] for k in KINDS}
             cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
-            pids = {"grpc": servers[0].pid, "tcp": servers[1].pid, "tcp_fmt": servers[1].pid}
+            pids = {
+                "grpc": servers[0].pid,
+                "tcp": servers[1].pid,
+                "tcp_fmt": servers[1].pid,
+                "grpc_raw": servers[2].pid,
+            }
             runs = {
                 "grpc": lambda c=ckv: loop.run_until_complete(_grpc_once(sender, c)),
                 "tcp": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=False),
                 "tcp_fmt": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=True),
+                "grpc_raw": lambda b=blobs: loop.run_until_complete(_grpc_raw_once(raw_sender, b)),
             }
             for _ in range(repeats):
                 for kind, fn in runs.items():
@@ -205,12 +257,16 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
             row["grpc_vs_tcp"] = statistics.median(
                 g / t for g, t in zip(secs["tcp"], secs["grpc"], strict=True)
             )
+            row["grpc_raw_vs_tcp"] = statistics.median(
+                g / t for g, t in zip(secs["tcp"], secs["grpc_raw"], strict=True)
+            )
             row["grpc_vs_tcp_fmt"] = statistics.median(
                 f / g for g, f in zip(secs["grpc"], secs["tcp_fmt"], strict=True)
             )
             rows.append(row)
     finally:
         loop.run_until_complete(channel.close())
+        loop.run_until_complete(raw_channel.close())
         loop.close()
         stop.set()
         with socket.create_connection(("127.0.0.1", ports[1])) as s:
@@ -232,21 +288,27 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
         f"load avg (1/5/15 min) before {load[0]}, after {load[1]}, {os.cpu_count()} CPUs"
     )
     print(
-        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt | gRPC/TCP"
-        "  gRPC/TCP+fmt | CPU s/GB: gRPC   TCP  TCP+fmt"
+        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt  raw | gRPC/TCP"
+        "  raw/TCP  gRPC/TCP+fmt | CPU s/GB: gRPC   TCP  TCP+fmt  raw"
     )
     for r in rows:
         print(
             f"{r['budget']:>6.0%}  {r['ratio']:>7.4f}  {r['payload'] / 1e6:>10.2f}  {r['wire'] - r['payload']:>11}  "
             f"{r['wire_vs_full']:>9.2%}  {r['messages']:>4} |      {r['grpc_gbps']:>4.2f}  {r['tcp_gbps']:>4.2f}  "
-            f"{r['tcp_fmt_gbps']:>7.2f} | {r['grpc_vs_tcp']:>8.0%}  {r['grpc_vs_tcp_fmt']:>12.0%} |"
+            f"{r['tcp_fmt_gbps']:>7.2f} {r['grpc_raw_gbps']:>4.2f} | {r['grpc_vs_tcp']:>8.0%}  "
+            f"{r['grpc_raw_vs_tcp']:>7.0%}  {r['grpc_vs_tcp_fmt']:>12.0%} |"
             f"           {r['grpc_cpu_s_per_gb']:>4.2f}  {r['tcp_cpu_s_per_gb']:>4.2f}  "
-            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f}"
+            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f} {r['grpc_raw_cpu_s_per_gb']:>4.2f}"
         )
     for r in rows:
         split = ", ".join(
             f"{name} {r[f'{k}_send_cpu_s_per_gb']:.2f}/{r[f'{k}_recv_cpu_s_per_gb']:.2f}"
-            for k, name in (("grpc", "gRPC"), ("tcp", "TCP"), ("tcp_fmt", "TCP+fmt"))
+            for k, name in (
+                ("grpc", "gRPC"),
+                ("tcp", "TCP"),
+                ("tcp_fmt", "TCP+fmt"),
+                ("grpc_raw", "gRPC raw"),
+            )
         )
         print(f"{r['budget']:>6.0%}  CPU s/GB send/recv: {split}")
     out.mkdir(parents=True, exist_ok=True)
@@ -261,12 +323,17 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
     labels = [f"{r['budget']:.0%}" for r in rows]
     ax1.bar(labels, [r["wire"] / 1e6 for r in rows])
     ax1.set(title="bytes on the wire (MB, incl. metadata)", xlabel="budget")
-    names = {"grpc": "gRPC (aio + KVAssembler)", "tcp": "plain TCP", "tcp_fmt": "TCP + same format work"}
+    names = {
+        "grpc": "gRPC (aio + KVAssembler)",
+        "tcp": "plain TCP",
+        "tcp_fmt": "TCP + same format work",
+        "grpc_raw": "gRPC raw (grpcio alone)",
+    }
     for i, (kind, name) in enumerate(names.items()):
         ax2.bar(
-            [x + (i - 1) * 0.27 for x in range(len(rows))],
+            [x + (i - 1.5) * 0.2 for x in range(len(rows))],
             [r[f"{kind}_gbps"] for r in rows],
-            0.27,
+            0.2,
             label=name,
         )
     ax2.set(title="loopback throughput (GB/s)", xticks=range(len(rows)), xticklabels=labels, xlabel="budget")

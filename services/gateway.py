@@ -73,7 +73,10 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             tried.add(worker.address)
             worker.in_flight += 1
             try:
-                return await worker.stub.Prefill(request, timeout=self.cfg.transfer.deadline_s * 2)
+                reply = await worker.stub.Prefill(request, timeout=self.cfg.transfer.deadline_s * 2)
+                self.metrics.prefill.observe(reply.prefill_ms / 1000)
+                self.metrics.hand_off.observe(reply.transfer_ms / 1000)
+                return reply
             except grpc.aio.AioRpcError as exc:
                 retry = (
                     exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) < 2 and not _hand_off_error(exc)

@@ -20,6 +20,14 @@ class GatewayMetrics:
         self.itl = Histogram(
             "vlkv_inter_token_seconds", "time between streamed tokens", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.prefill = Histogram(
+            "vlkv_prefill_seconds", "prefill forward + compression on a prefill worker",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.hand_off = Histogram(
+            "vlkv_hand_off_seconds", "compact KV transfer prefill -> decode (as the prefill worker timed it)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.tokens = Counter("vlkv_generated_tokens", "tokens streamed to clients", registry=r)
         self.compression = Histogram(
             "vlkv_compression_ratio",

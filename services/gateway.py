@@ -27,7 +27,7 @@ from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.processing import decode_images, prepare_inputs, render_prompt
 from vlkv.common.sampling import sampling_from_proto
 from vlkv.services.metrics import GatewayMetrics
-from vlkv.services.router import Router
+from vlkv.services.router import DecodeSlot, Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,13 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         )
         pool = self.cfg.pool
         for attempt in range(HAND_OFF_ATTEMPTS):
-            decode = await self.router.pick_decode(
+            slot = await self.router.pick_decode(
                 [kept] * self.num_layers, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
             )
-            prefill_req.decode_address = decode.address
+            prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
             try:
-                async for resp in self._run(prefill_req, decode, start, rid):
+                async for resp in self._run(prefill_req, slot, start, rid):
                     yield resp
                 return
             except _NoRoom as exc:  # the load it was picked on is stale; the worker's exact count disagreed
@@ -142,14 +142,16 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 self.metrics.hand_off_retries.inc()
                 log.info("request %s: %s; waiting for room again", rid, exc.error.message)
 
-    async def _run(self, prefill_req: worker_pb2.PrefillRequest, decode, start: float, rid: str):
+    async def _run(self, prefill_req: worker_pb2.PrefillRequest, slot: DecodeSlot, start: float, rid: str):
         """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there."""
+        decode = slot.worker
         deadline = self.cfg.transfer.deadline_s
         decode_call = decode.stub.Decode(
             worker_pb2.DecodeRequest(request_id=prefill_req.request_id, wait_ms=int(deadline * 3000))
         )
         decode.in_flight += 1
         prefill_task = asyncio.ensure_future(self._prefill(prefill_req))
+        prefill_task.add_done_callback(lambda t: slot.release())  # the worker's load shows the cache now
         prefill_task.add_done_callback(
             lambda t: t.cancelled() or t.exception() is None or decode_call.cancel()
         )
@@ -184,6 +186,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 f"decode worker {decode.address} failed: {exc.details()}", _public_code(exc.code())
             ) from None
         finally:
+            slot.release()
             decode.in_flight -= 1
             decode_call.cancel()
             if not prefill_task.done():

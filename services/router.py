@@ -34,6 +34,20 @@ class Worker:
     draining: bool = False  # takes no new requests; removed once in_flight reaches 0
     reachable: bool = True
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
+    pending_blocks: int = 0  # decode: blocks promised to requests whose cache has not arrived yet
+
+
+@dataclass
+class DecodeSlot:
+    """A decode worker picked for a request, with the blocks promised to it until its cache arrives."""
+
+    worker: Worker
+    blocks: int
+
+    def release(self) -> None:
+        """The cache arrived (the worker's own load counts it now) or never will; idempotent."""
+        self.worker.pending_blocks -= self.blocks
+        self.blocks = 0
 
 
 class Router:
@@ -100,17 +114,20 @@ class Router:
 
     async def pick_decode(
         self, layer_tokens: list[int], max_new_tokens: int, wait_s: float = 0.0, max_waiting: int = 0
-    ) -> Worker:
+    ) -> DecodeSlot:
         """The decode worker with the most room that can admit a cache of ``layer_tokens`` now.
+
+        Room is the worker's last reported admissible blocks less those already promised to requests
+        picked for it whose caches are still on their way (``DecodeSlot.release`` when they arrive).
 
         When none can, the request waits in a first-come-first-served queue of at most ``max_waiting``
         requests for up to ``wait_s`` (the head polls the workers' load); then RESOURCE_EXHAUSTED. A
         request larger than every worker's whole pool is refused at once.
         """
         if not self._admit_queue:
-            worker = await self._try_decode(layer_tokens, max_new_tokens)
-            if worker is not None:
-                return worker
+            slot = await self._try_decode(layer_tokens, max_new_tokens)
+            if slot is not None:
+                return slot
         if len(self._admit_queue) >= max_waiting or wait_s <= 0:
             raise ResourceExhausted(
                 f"no decode worker has room for this request ({len(self._admit_queue)} requests waiting)"
@@ -121,16 +138,16 @@ class Router:
         try:
             while True:
                 if self._admit_queue[0] is ticket:
-                    worker = await self._try_decode(layer_tokens, max_new_tokens)
-                    if worker is not None:
-                        return worker
+                    slot = await self._try_decode(layer_tokens, max_new_tokens)
+                    if slot is not None:
+                        return slot
                 if time.monotonic() >= deadline:
                     raise ResourceExhausted(f"no decode worker had room for this request within {wait_s:g} s")
                 await asyncio.sleep(ADMIT_POLL_S)
         finally:
             self._admit_queue.remove(ticket)
 
-    async def _try_decode(self, layer_tokens: list[int], max_new_tokens: int) -> Worker | None:
+    async def _try_decode(self, layer_tokens: list[int], max_new_tokens: int) -> DecodeSlot | None:
         if not self.decode:
             raise Unavailable("no decode worker is registered")
         workers = list(self.decode.values())
@@ -149,12 +166,16 @@ class Router:
             raise ResourceExhausted(
                 f"this request (max_new_tokens={max_new_tokens}) needs more KV blocks than a decode worker holds"
             )
+        room = {w.address: ld.admit_blocks - w.pending_blocks for w, ld in live}
         fitting = [
-            (w, ld) for w, ld in live if _blocks_needed(ld, layer_tokens, max_new_tokens) <= ld.admit_blocks
+            (w, ld) for w, ld in live if _blocks_needed(ld, layer_tokens, max_new_tokens) <= room[w.address]
         ]
         if not fitting:
             return None
-        return max(fitting, key=lambda p: (p[1].admit_blocks, -p[0].in_flight))[0]
+        w, ld = max(fitting, key=lambda p: (room[p[0].address], -p[0].in_flight))
+        need = _blocks_needed(ld, layer_tokens, max_new_tokens)
+        w.pending_blocks += need  # no await since the room was read: the promise is atomic on this loop
+        return DecodeSlot(w, need)
 
 
 def _blocks_needed(

@@ -169,6 +169,30 @@ def test_reserve_mode_queues_at_the_gateway_and_never_preempts(tiny_model_dirs, 
         c.close()
 
 
+def test_simultaneous_requests_do_not_overcommit_a_worker(tiny_model_dirs, solo):
+    """Room for one: the first request's promised blocks count against the worker until its cache
+    arrives, so the second waits at the gateway instead of being refused at hand-off."""
+    c = _cluster(tiny_model_dirs("llava-gqa"), admission="reserve")
+    try:
+        start, results = threading.Barrier(2), {}
+
+        def run(i):
+            start.wait()
+            results[i] = generate(c.stub, _req(i)).token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == {0: solo[0], 1: solo[1]}
+        metrics = c.gateway.servicer.metrics.registry
+        assert metrics.get_sample_value("vlkv_hand_off_retries_total") == 0
+        assert all(w.pending_blocks == 0 for w in c.gateway.servicer.router.decode.values())
+    finally:
+        c.close()
+
+
 def test_full_pool_without_a_queue_is_resource_exhausted(tiny_model_dirs, solo):
     c = _cluster(tiny_model_dirs("llava-gqa"), admission="reserve", max_waiting=0)
     try:

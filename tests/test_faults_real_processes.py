@@ -7,6 +7,8 @@ reserved its blocks: that is when the tests SIGKILL the sending prefill worker o
 worker. What happens after the signal is the product's own code path.
 
 Scenarios (the failure policy in README "Scaling and failures"):
+- more streams than the decode pool holds: the newest are preempted to host memory and resumed, every
+  client gets its whole answer, the pool returns;
 - gateway SIGKILLed with streams in flight: clients get UNAVAILABLE, the decode worker frees every
   sequence, a new gateway started on the same port and workers answers;
 - decode worker stopped mid-hand-off: the sender's deadline ends the hand-off, the client gets
@@ -194,6 +196,29 @@ def test_gateway_killed_with_streams_in_flight(procs, reference):
     assert out.error is None
     assert out.token_ids == reference.token_ids and out.text == reference.text
     _pool_back(procs, total)
+
+
+# -- more sequences than the decode pool holds ---------------------------------------------------------------
+def test_filled_pool_preempts_and_every_request_finishes(procs, reference):
+    """24 streams of 900 new tokens outgrow the 8 MiB pool (~2,000 blocks; each grows to ~118): the decode
+    worker preempts the newest to host memory and resumes it when blocks free; every client gets its whole
+    answer and the pool returns to its starting free count."""
+    gateway = procs.gateway()
+    total = _load(procs.decode.address).total_blocks
+    _pool_back(procs, total)
+    before = _load(procs.decode.address).preemptions
+    calls = [
+        Call(gateway.address, _request(max_new_tokens=900, image=40 + i), timeout=240) for i in range(24)
+    ]
+    for c in calls:
+        c.result(240)
+        assert c.error is None, c.error
+        assert c.finished is not None and len(c.token_ids) == c.finished.usage.generated_tokens
+    load = _load(procs.decode.address)
+    assert load.preemptions > before and load.swapped == 0
+    _pool_back(procs, total)
+    out = Call(gateway.address, _request()).result()
+    assert out.error is None and out.token_ids == reference.token_ids
 
 
 # -- a decode worker stalls while its cache arrives ---------------------------------------------------------

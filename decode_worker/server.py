@@ -32,6 +32,7 @@ from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+DRAIN_LIMIT_BYTES = 1 << 30  # what a refused sender may still stream before the refusal is sent anyway
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -106,6 +107,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 raise KVWireError(grpc.StatusCode.ABORTED, f"a newer transfer of {rid!r} superseded this one")
         except KVWireError as exc:
             self._end_transfer(rid, assembler)
+            await _drain(request_iterator, DRAIN_LIMIT_BYTES)
             await context.abort(exc.code, str(exc))
         except BaseException:
             assembler.abort()
@@ -235,6 +237,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             swapped=self.engine.num_swapped,
             preemptions=self.engine.preemptions,
         )
+
+
+async def _drain(requests, limit: int) -> None:
+    """Read (and drop) what the sender still streams before ending the call with a refusal.
+
+    A status sent while the client is still writing a large message reaches grpcio's client as
+    ``INTERNAL: Internal error from Core`` instead of the status; reading the rest first lets the sender see
+    the refusal's own code and message (e.g. RESOURCE_EXHAUSTED, which the gateway acts on). Bounded by
+    ``limit`` bytes and the call's deadline.
+    """
+    seen = 0
+    async for chunk in requests:
+        seen += len(chunk) if isinstance(chunk, bytes) else chunk.ByteSize()
+        if seen > limit:
+            return
 
 
 class _CaptureHandlers:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from vlkv.common.compact_kv import CompactKV
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.common.kv_wire import encode_compact_kv
+from vlkv.common.kv_wire import KVWireError, encode_compact_kv
+from vlkv.common.transport import GrpcKVSender, grpc_message_options
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster
@@ -195,3 +196,32 @@ def test_retried_transfer_supersedes_an_unfinished_one(cluster):
     while cluster.pool.num_free != free and time.time() < deadline:
         time.sleep(0.01)
     assert cluster.pool.num_free == free and not servicer._in_transfer and not servicer._superseded
+
+
+def test_refusal_reaches_a_sender_still_streaming_large_messages(cluster):
+    """The product's sender (grpc.aio, 4 MiB messages) refused at the header of a large cache: it gets the
+    refusal's own status, not grpcio's ``INTERNAL: Internal error from Core`` (the worker drains first)."""
+    servicer, free = cluster.decode.servicer, cluster.pool.num_free
+    layers, kv_heads, head_dim, dtype = servicer.layout
+    m = 20_000  # ~10 MB of K/V: several messages still on their way when the header is refused
+    g = torch.Generator().manual_seed(1)
+    keys = [torch.randn(kv_heads, m, head_dim, generator=g, dtype=dtype) for _ in range(layers)]
+    values = [torch.randn(kv_heads, m, head_dim, generator=g, dtype=dtype) for _ in range(layers)]
+    ckv = CompactKV(keys, values, prompt_length=m, first_token=1)
+
+    async def send(rid: str):
+        channel = grpc.aio.insecure_channel(cluster.decode.address, options=grpc_message_options(4 << 20))
+        try:
+            chunks = encode_compact_kv(
+                ckv, request_id=rid, fingerprint=servicer.fingerprint, policy="full", prompt_tokens=m,
+                sampling=generate_pb2.SamplingParams(max_new_tokens=4), chunk_bytes=4 << 20, wire=True,
+            )  # fmt: skip
+            await GrpcKVSender(channel, chunk_bytes=4 << 20).send_chunks(chunks)
+        except KVWireError as exc:
+            return exc.code
+        finally:
+            await channel.close()
+
+    for i in range(3):
+        assert cluster.run(send(f"large-{i}")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert cluster.pool.num_free == free

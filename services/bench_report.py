@@ -44,6 +44,7 @@ SYSTEMS = {
     "b": "(b) vlkv, full cache",
     "c": "(c) HF generate(), full cache",
 }
+PUBLIC_PROBE_TIMEOUT_S = 3.0  # a public Generate sent while the pool is full: queued, so it times out
 COLORS = {"a": "tab:green", "b": "tab:blue", "c": "tab:red"}
 
 
@@ -425,7 +426,7 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
 
         channel, gstub = connect(gateway)
         try:
-            generate(gstub, reqs[0], timeout=60)
+            generate(gstub, reqs[0], timeout=PUBLIC_PROBE_TIMEOUT_S)  # it waits in the admission queue
             public = "OK (not refused)"
         finally:
             channel.close()
@@ -433,6 +434,8 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
         public = exc.code().name
     # all held caches decode together
     tokens_at: list[float] = []
+
+    running: list[int] = []  # the decode worker's running batch, sampled while the held caches decode
 
     async def run_decode() -> None:
         async with grpc.aio.insecure_channel(decode[0]) as ch:
@@ -443,7 +446,15 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
                     if resp.HasField("token"):
                         tokens_at.extend([time.perf_counter()] * len(resp.token.token_ids))
 
+            async def sample() -> None:
+                while True:
+                    load = await dstub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+                    running.append(load.running)
+                    await asyncio.sleep(0.05)
+
+            sampler = asyncio.ensure_future(sample())
             await asyncio.gather(*(one(r) for r in held), return_exceptions=True)
+            sampler.cancel()
 
     t1 = time.perf_counter()
     asyncio.run(run_decode())
@@ -477,6 +488,8 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
         "decode_tokens": len(tokens_at),
         "decode_s": decode_s,
         "decode_tok_s": decode_tok_s,
+        "preemptions": load_after.preemptions - load0.preemptions,
+        "decoding_mean": _mean([n for n in running if n]),  # sequences in the running batch, on average
     }
     print(
         f"[bench] {label}: {len(held)} sequences admitted ({refusal[:80]}), public Generate when full: "

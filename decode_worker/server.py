@@ -25,7 +25,7 @@ from vlkv.common.kv_assembler import KVAssembler
 from vlkv.common.kv_wire import KVWireError, model_fingerprint, model_kv_layout
 from vlkv.common.sampling import sampling_from_proto
 from vlkv.decode_worker.admission import AdmissionPolicy, AdmissionRefused
-from vlkv.decode_worker.detokenizer import IncrementalText
+from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
 from vlkv.decode_worker.kv_pool import KVPool
 from vlkv.decode_worker.model_runner import ModelRunner
@@ -39,6 +39,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, model, tokenizer, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.decode_text = text_decoder(tokenizer)
         self.layout = model_kv_layout(model)
         self.fingerprint = model_fingerprint(model)
         _, kv_heads, head_dim, dtype = self.layout
@@ -152,7 +153,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             sampling=sampling,
             eos_token_ids=set(header.eos_token_ids),
             usage=usage,
-            detok=IncrementalText(self.tokenizer, sampling.stop),
+            detok=IncrementalText(self.tokenizer, sampling.stop, self.decode_text),
         )
 
     def _deliver(self, seq: Sequence) -> None:

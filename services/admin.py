@@ -15,7 +15,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         router = self.gateway.router
         await router.poll_all()
         out = admin_pb2.ClusterStatus(
-            requests_in_flight=self.gateway.in_flight, requests_total=self.gateway.requests_total
+            requests_in_flight=self.gateway.in_flight,
+            requests_total=self.gateway.requests_total,
+            admission_queue=router.num_queued,
         )
         record_loads(self.gateway.metrics, router)
         for kind, pool in (("prefill", router.prefill), ("decode", router.decode)):
@@ -31,6 +33,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         free_blocks=w.load.free_blocks,
                         total_blocks=w.load.total_blocks,
                         in_flight=w.in_flight,
+                        swapped=w.load.swapped,
+                        preemptions=w.load.preemptions,
                     )
                 )
         for e in self.autoscaler.events if self.autoscaler else []:

@@ -253,17 +253,23 @@ def cmd_status(args) -> int:
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print(f"requests in flight: {st.requests_in_flight}   served since start: {st.requests_total}")
     print(
-        f"{'kind':8} {'address':22} {'state':12} {'in-flight':>9} {'running':>8} {'waiting':>8} {'KV pool':>16}"
+        f"requests in flight: {st.requests_in_flight}   served since start: {st.requests_total}   "
+        f"waiting for KV room: {st.admission_queue}"
+    )
+    print(
+        f"{'kind':8} {'address':22} {'state':12} {'in-flight':>9} {'running':>8} {'waiting':>8} {'KV pool':>16} "
+        f"{'preempted':>10}"
     )
     for w in st.workers:
-        pool = ""
+        pool = swapped = ""
         if w.kind == "decode" and w.total_blocks:
             used = w.total_blocks - w.free_blocks
             pool = f"{used}/{w.total_blocks} ({used / w.total_blocks:.0%})"
+            swapped = f"{w.swapped} now/{w.preemptions}"
         print(
-            f"{w.kind:8} {w.address:22} {w.state:12} {w.in_flight:>9} {w.running:>8} {w.waiting:>8} {pool:>16}"
+            f"{w.kind:8} {w.address:22} {w.state:12} {w.in_flight:>9} {w.running:>8} {w.waiting:>8} {pool:>16} "
+            f"{swapped:>10}"
         )
     for e in st.events[-args.events :]:
         stamp = time.strftime("%H:%M:%S", time.localtime(e.unix_time))

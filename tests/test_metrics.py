@@ -74,3 +74,14 @@ def test_log_lines_carry_the_request_id():
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["request_id"] == "req-42" and first["msg"] == "hello there" and first["level"] == "WARNING"
     assert second["request_id"] == "-"
+
+
+def test_vlkv_status_prints_workers_pool_and_preemptions(cluster, capsys):
+    from vlkv.services.cli import main
+
+    assert main(["status", "--address", cluster.gateway.address]) == 0
+    out = capsys.readouterr().out
+    assert "waiting for KV room: 0" in out and "preempted" in out
+    decode = next(line for line in out.splitlines() if line.startswith("decode"))
+    blocks = cluster.pool.num_blocks
+    assert f"0/{blocks} (0%)" in decode and "0 now/0" in decode and "serving" in decode

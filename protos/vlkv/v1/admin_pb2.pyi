@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight")
+    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class WorkerStatus(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     address: str
     state: str
@@ -28,7 +30,9 @@ class WorkerStatus(_message.Message):
     free_blocks: int
     total_blocks: int
     in_flight: int
-    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    swapped: int
+    preemptions: int
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class ScalingEvent(_message.Message):
     __slots__ = ("unix_time", "kind", "action", "replicas", "reason")
@@ -45,13 +49,15 @@ class ScalingEvent(_message.Message):
     def __init__(self, unix_time: _Optional[float] = ..., kind: _Optional[str] = ..., action: _Optional[str] = ..., replicas: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("workers", "requests_in_flight", "requests_total", "events")
+    __slots__ = ("workers", "requests_in_flight", "requests_total", "events", "admission_queue")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_QUEUE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     requests_in_flight: int
     requests_total: int
     events: _containers.RepeatedCompositeFieldContainer[ScalingEvent]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., requests_in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., events: _Optional[_Iterable[_Union[ScalingEvent, _Mapping]]] = ...) -> None: ...
+    admission_queue: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., requests_in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., events: _Optional[_Iterable[_Union[ScalingEvent, _Mapping]]] = ..., admission_queue: _Optional[int] = ...) -> None: ...

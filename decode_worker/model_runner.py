@@ -15,6 +15,7 @@ from vlkv.common.attention import use_vlkv_attention
 from vlkv.common.model_loading import language_model
 from vlkv.decode_worker.kv_pool import KVPool
 from vlkv.kernels.paged_decode import paged_decode_attention
+from vlkv.kernels.paged_decode_reference import check_paged_values
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PagedBatch:
             self.tables[:, layer_idx].contiguous(),
             (self.lengths[:, layer_idx] + 1).to(torch.int32),
             scale=scaling,
+            validate=False,  # ModelRunner.step checked every layer's tables and lengths
         )
         return out.unsqueeze(1)
 
@@ -76,11 +78,13 @@ class ModelRunner:
         """Feed one token per sequence; returns next-token logits ``[S, vocab]`` in fp32."""
         num_layers = len(batch[0].tables)
         max_blocks = max(len(t) for s in batch for t in s.tables)
-        tables = torch.full((len(batch), num_layers, max_blocks), -1, dtype=torch.int32)
-        for i, s in enumerate(batch):
-            for layer, t in enumerate(s.tables):
-                tables[i, layer, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        rows = [t + [-1] * (max_blocks - len(t)) for s in batch for t in s.tables]  # one tensor, not S x L
+        tables = torch.tensor(rows, dtype=torch.int32).view(len(batch), num_layers, max_blocks)
         lengths = torch.tensor([s.lengths for s in batch], dtype=torch.int32)
+        # Checked once per step for every layer; the attention calls then skip their own per-layer check.
+        check_paged_values(
+            tables.view(-1, max_blocks), lengths.view(-1) + 1, self.pool.num_blocks, self.pool.block_size
+        )
         paged = PagedBatch(self.pool, tables.to(self.device), lengths.to(self.device))
 
         tokens = torch.tensor([[s.token] for s in batch], device=self.device)

@@ -72,7 +72,6 @@ class DecodeEngine:
         self.pool = pool
         self.max_batch = max_batch
         self.swap_bytes = swap_bytes
-        self.swap_used = 0
         self.preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -109,6 +108,11 @@ class DecodeEngine:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    @property
+    def swap_used(self) -> int:
+        """Host bytes held by preempted sequences."""
+        return sum(s.swapped_bytes for s in self.swapped)
+
     def submit(self, seq: Sequence) -> None:
         """Start a sequence whose cache is in the pool: stream the prefill's token, then queue it."""
         seq.arrival = next(self._arrivals)
@@ -139,7 +143,6 @@ class DecodeEngine:
             self.pool.free(seq.blocks)
         if seq in self.swapped:
             self.swapped.remove(seq)
-            self.swap_used -= seq.swapped_bytes
             seq.swapped = None
 
     # -- preemption --------------------------------------------------------------------------------
@@ -163,7 +166,6 @@ class DecodeEngine:
         log.info("request %s: preempted (%d blocks swapped out)", seq.request_id, seq.blocks.num_blocks)
         self.pool.free(seq.blocks)
         seq.swapped = [(k.to(self.swap_device, copy=True), v.to(self.swap_device, copy=True)) for k, v in kv]
-        self.swap_used += nbytes
         bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
 
     def _resume(self) -> None:
@@ -176,7 +178,6 @@ class DecodeEngine:
             for table, (k, v) in zip(blocks.tables, seq.swapped, strict=True):
                 self.pool.write(table, k.to(self.pool.k.device), v.to(self.pool.v.device))
             self.swapped.pop(0)
-            self.swap_used -= seq.swapped_bytes
             seq.swapped = None
             seq.blocks = blocks
             self.running.append(seq)

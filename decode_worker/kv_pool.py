@@ -18,6 +18,11 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def blocks_needed(layer_lengths: list[int], extra_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``layer_lengths[l] + extra_tokens`` tokens in every layer l (one table per layer)."""
+    return sum(_ceil_div(n + extra_tokens, block_size) for n in layer_lengths)
+
+
 @dataclass
 class SequenceBlocks:
     """Blocks reserved for one sequence: ``tables[l]`` lists layer l's block ids in token order."""
@@ -70,7 +75,7 @@ class KVPool:
         return 2 * self.k[0].numel() * self.k.element_size()
 
     def blocks_needed(self, layer_lengths: list[int], extra_tokens: int) -> int:
-        return sum(_ceil_div(n + extra_tokens, self.block_size) for n in layer_lengths)
+        return blocks_needed(layer_lengths, extra_tokens, self.block_size)
 
     def can_allocate(self, layer_lengths: list[int], extra_tokens: int) -> bool:
         return self.blocks_needed(layer_lengths, extra_tokens) <= self.num_free
@@ -87,13 +92,17 @@ class KVPool:
             tables.append(ids)
         return SequenceBlocks(tables)
 
+    def _full_tables(self, blocks: SequenceBlocks, lengths: list[int]) -> list[list[int]]:
+        """The layer tables with no free slot for token ``lengths[l]``."""
+        return [t for t, n in zip(blocks.tables, lengths, strict=True) if n >= len(t) * self.block_size]
+
     def blocks_to_append(self, blocks: SequenceBlocks, lengths: list[int]) -> int:
         """New blocks ``append`` needs to place token ``lengths[l]`` of every layer l."""
-        return sum(n >= len(t) * self.block_size for t, n in zip(blocks.tables, lengths, strict=True))
+        return len(self._full_tables(blocks, lengths))
 
     def append(self, blocks: SequenceBlocks, lengths: list[int]) -> bool:
         """Make room for one more token in every layer (at index ``lengths[l]``); all or nothing."""
-        grow = [t for t, n in zip(blocks.tables, lengths, strict=True) if n >= len(t) * self.block_size]
+        grow = self._full_tables(blocks, lengths)
         if len(grow) > self.num_free:
             return False
         for table in grow:

@@ -389,6 +389,7 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
     opened at once, so all of them decode together as one continuous batch (decode-phase throughput).
     """
     from vlkv.common.processing import render_prompt
+    from vlkv.decode_worker.kv_pool import blocks_needed
 
     prefill, decode = cluster_workers(gateway)
     load0 = decode_load(decode[0])
@@ -466,8 +467,7 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
     time.sleep(0.5)
     load_after = decode_load(decode[0])
     per_seq_blocks = [
-        sum(math.ceil((n + reqs[0].sampling.max_new_tokens) / load0.block_size) for n in u.layer_budgets)
-        for u in usage
+        blocks_needed(list(u.layer_budgets), reqs[0].sampling.max_new_tokens, load0.block_size) for u in usage
     ]
     out = {
         "admitted": len(held),

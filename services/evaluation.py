@@ -23,7 +23,7 @@ from vlkv.common.compact_kv import CompactKV
 from vlkv.common.compression.registry import get_policy
 from vlkv.common.processing import prepare_inputs
 from vlkv.common.synthetic_task import Example, is_correct, prompt_text
-from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.kv_pool import KVPool, blocks_needed
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.kernels.attention_stats import attention_stats
 
@@ -127,7 +127,7 @@ def decode_batch(model, caches: list[CompactKV], max_new_tokens: int, eos: set[i
     """Greedy decode of all caches together through the paged pool and the model runner."""
     c0 = caches[0]
     block = 16
-    need = sum(sum(-(-(n + max_new_tokens) // block) for n in c.layer_lengths) for c in caches)
+    need = sum(blocks_needed(c.layer_lengths, max_new_tokens, block) for c in caches)
     pool = KVPool(need, block, c0.num_kv_heads, c0.head_dim, c0.dtype)
     runner = ModelRunner(model, pool)
     seqs = []

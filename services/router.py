@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import grpc
 from vlkv.common.errors import ResourceExhausted, Unavailable
 from vlkv.common.grpc_server import make_channel
 from vlkv.common.security import SecurityConfig
+from vlkv.decode_worker.kv_pool import blocks_needed
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -184,4 +184,4 @@ def _blocks_needed(
     """Blocks the worker takes at admission (the cache, plus max_new_tokens if it reserves them), or
     with ``whole`` the most the sequence can ever hold."""
     extra = max_new_tokens if load.reserves_new_tokens or whole else 0
-    return sum(math.ceil((n + extra) / max(load.block_size, 1)) for n in layer_tokens)
+    return blocks_needed(layer_tokens, extra, max(load.block_size, 1))

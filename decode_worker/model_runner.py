@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vlkv.common.attention import use_vlkv_attention
-from vlkv.common.model_loading import language_model
+from vlkv.common.model.attention import use_vlkv_attention
+from vlkv.common.model.loading import language_model
 from vlkv.decode_worker.kv_pool import KVPool
 from vlkv.kernels.paged_decode import paged_decode_attention
 from vlkv.kernels.paged_decode_reference import check_paged_values

@@ -21,8 +21,8 @@ from vlkv.common import logs
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
-from vlkv.common.kv_assembler import KVAssembler
-from vlkv.common.kv_wire import KVWireError, model_fingerprint, model_kv_layout
+from vlkv.common.handoff.assembler import KVAssembler
+from vlkv.common.handoff.wire import KVWireError, model_fingerprint, model_kv_layout
 from vlkv.common.sampling import sampling_from_proto
 from vlkv.decode_worker.admission import AdmissionPolicy, AdmissionRefused
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder

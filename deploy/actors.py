@@ -27,7 +27,7 @@ class _WorkerActor:
 
     async def start(self, cfg: ServerConfig, port: int = 0) -> str:
         _setup_logging()
-        from vlkv.services import app
+        from vlkv.deploy import servers as app
 
         starter = app.start_prefill_worker if self.kind == "prefill" else app.start_decode_worker
         self._running = await starter(cfg, port)

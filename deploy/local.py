@@ -15,7 +15,7 @@ import ray
 from vlkv.common.config import ServerConfig
 from vlkv.deploy.actors import DecodeActor, PrefillActor
 from vlkv.deploy.autoscaler import Autoscaler, PoolSpec, Replica
-from vlkv.services.app import Running, start_gateway
+from vlkv.deploy.servers import Running, start_gateway
 
 log = logging.getLogger(__name__)
 

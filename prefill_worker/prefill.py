@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from vlkv.common.attention import use_vlkv_attention
-from vlkv.common.compact_kv import CompactKV
 from vlkv.common.compression_params import CompressionConfig
 from vlkv.common.errors import InvalidInput
-from vlkv.common.processing import ModalityMap, prepare_inputs
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.attention import use_vlkv_attention
+from vlkv.common.request import ModalityMap, prepare_inputs
 from vlkv.common.sampling import SamplingConfig, make_generator, sample_token
 from vlkv.prefill_worker.stats_collector import StatsCollector
 

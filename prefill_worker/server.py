@@ -20,10 +20,10 @@ from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import VlkvError
 from vlkv.common.grpc_server import abort_on_error, make_channel
-from vlkv.common.kv_wire import KVWireError, encode_compact_kv, model_fingerprint
-from vlkv.common.processing import decode_images
+from vlkv.common.handoff.grpc_transport import GrpcKVSender
+from vlkv.common.handoff.wire import KVWireError, encode_compact_kv, model_fingerprint
+from vlkv.common.request import decode_images
 from vlkv.common.sampling import sampling_from_proto
-from vlkv.common.transport import GrpcKVSender
 from vlkv.prefill_worker.prefill import PrefillEngine
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 

@@ -24,7 +24,7 @@ from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import InvalidInput, VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
-from vlkv.common.processing import decode_images, prepare_inputs, render_prompt
+from vlkv.common.request import decode_images, prepare_inputs, render_prompt
 from vlkv.common.sampling import sampling_from_proto
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.router import DecodeSlot, Router

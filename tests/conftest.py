@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
-from vlkv.common.tiny_llava import build_tiny
+from vlkv.tools.task.tiny_llava import build_tiny
 
 WORDS = "what colour shape is the square circle triangle red blue green it a there are one two".split()
 TINY_VARIANTS = {

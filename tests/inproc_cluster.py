@@ -11,8 +11,8 @@ import threading
 
 import grpc
 from vlkv.common.config import ServerConfig
-from vlkv.common.model_loading import load_model, load_processor
-from vlkv.services.app import start_decode_worker, start_gateway, start_prefill_worker
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.deploy.servers import start_decode_worker, start_gateway, start_prefill_worker
 from vlkv.v1 import generate_pb2_grpc
 
 

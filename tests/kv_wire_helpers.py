@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import grpc
 import torch
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_wire import KVAssembler, KVWireError, encode_compact_kv
+from vlkv.common.handoff.assembler import KVAssembler
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2
 
 FP = "0123456789abcdef"

@@ -35,7 +35,7 @@ def _config(args):
 
 async def _serve(args) -> None:
     from vlkv.common.logs import setup_logging
-    from vlkv.services import app
+    from vlkv.deploy import servers as app
 
     setup_logging(20, json_lines=True)  # INFO, to stderr
     cfg = _config(args)

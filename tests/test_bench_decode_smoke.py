@@ -3,7 +3,7 @@ device; no model, no timing)."""
 
 from __future__ import annotations
 
-from vlkv.decode_worker.bench_admission import (
+from vlkv.tools.bench.admission import (
     GIB,
     admission,
     admit_count,

@@ -11,14 +11,14 @@ import grpc
 import pytest
 import torch
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.common.kv_wire import KVWireError
-from vlkv.common.model_loading import load_model, load_processor
+from vlkv.common.handoff.wire import KVWireError
+from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.detokenizer import IncrementalText
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
 from vlkv.decode_worker.kv_pool import KVPool
 from vlkv.decode_worker.model_runner import ModelRunner
-from vlkv.services.client import build_request, generate
+from vlkv.tools.client import build_request, generate
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2
 
 from tests.inproc_cluster import InProcCluster

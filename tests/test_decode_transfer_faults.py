@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 import torch
-from vlkv.common.compact_kv import CompactKV
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.common.kv_wire import KVWireError, encode_compact_kv
-from vlkv.common.transport import GrpcKVSender, grpc_message_options
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options
+from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

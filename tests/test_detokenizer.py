@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv.common.model_loading import load_processor
-from vlkv.common.tiny_llava import build_tokenizer
+from vlkv.common.model.loading import load_processor
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
+from vlkv.tools.task.tiny_llava import build_tokenizer
 
 from tests.conftest import WORDS
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.services.client import build_request, generate
+from vlkv.tools.client import build_request, generate
 
 from tests.conftest import TINY_VARIANTS
 from tests.inproc_cluster import InProcCluster

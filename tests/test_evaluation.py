@@ -8,9 +8,9 @@ import pytest
 import torch
 from vlkv.common.compression.registry import get_policy
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.common.synthetic_task import make_examples, prompt_text
-from vlkv.services.client import build_request, generate
-from vlkv.services.evaluation import cache_hit_rate, compress, decode_batch, evaluate, prepare
+from vlkv.tools.client import build_request, generate
+from vlkv.tools.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate, prepare
+from vlkv.tools.task.synthetic_task import make_examples, prompt_text
 
 from tests.inproc_cluster import InProcCluster
 

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 from google_crc32c import python as crc32c_python
-from vlkv.common import kv_wire_codec
-from vlkv.common.kv_wire import (
+from vlkv.common.handoff import codec as kv_wire_codec
+from vlkv.common.handoff.codec import CRC32C_IMPLEMENTATION, crc32c, parse_data_wire
+from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
+from vlkv.common.handoff.wire import (
     KVWireError,
     encode_header,
     encode_stream,
     model_fingerprint,
     model_kv_layout,
 )
-from vlkv.common.kv_wire_codec import CRC32C_IMPLEMENTATION, crc32c, parse_data_wire
-from vlkv.common.transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
 from vlkv.v1 import kv_pb2, worker_pb2
 
 from tests.kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv

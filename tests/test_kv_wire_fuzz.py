@@ -12,8 +12,8 @@ import torch
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from vlkv.common.kv_wire import KVWireError
-from vlkv.common.kv_wire_codec import parse_data_wire
+from vlkv.common.handoff.codec import parse_data_wire
+from vlkv.common.handoff.wire import KVWireError
 from vlkv.v1 import kv_pb2
 
 from tests.kv_wire_helpers import FakePool, bits_equal, encode, make_ckv

@@ -9,11 +9,11 @@ import pytest
 import torch
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import ResourceExhausted
-from vlkv.common.model_loading import load_model, load_processor
-from vlkv.common.processing import decode_images, render_prompt
-from vlkv.services.client import build_request, connect, generate
-from vlkv.services.hf_baseline import HFBaselineServicer, start_hf_baseline
-from vlkv.services.loadgen import dir_workload, run_load, synthetic_workload
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.common.request import decode_images, render_prompt
+from vlkv.tools.bench.hf_baseline import HFBaselineServicer, start_hf_baseline
+from vlkv.tools.client import build_request, connect, generate
+from vlkv.tools.loadgen import dir_workload, run_load, synthetic_workload
 
 from tests.inproc_cluster import InProcCluster
 from tests.test_e2e_equality import random_png

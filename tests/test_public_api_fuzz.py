@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.services.client import generate
+from vlkv.tools.client import generate
 from vlkv.v1 import generate_pb2
 
 from tests.inproc_cluster import InProcCluster

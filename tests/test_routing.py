@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.services.app import start_decode_worker
-from vlkv.services.client import build_request, generate
+from vlkv.deploy.servers import start_decode_worker
 from vlkv.services.router import DecodeSlot
+from vlkv.tools.client import build_request, generate
 from vlkv.v1 import worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from vlkv.common.config import ConfigError, ModelConfig, PoolConfig, SecurityConfig, ServerConfig
 from vlkv.common.grpc_server import channel_options
-from vlkv.services.client import build_request, connect, generate
+from vlkv.tools.client import build_request, connect, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlkv.common.synthetic_task import (
+from vlkv.tools.task.synthetic_task import (
     CATEGORY_WORDS,
     IMAGE_SIZE,
     KINDS,

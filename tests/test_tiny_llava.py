@@ -10,7 +10,7 @@ from transformers import (
     LlavaNextProcessor,
     LlavaProcessor,
 )
-from vlkv.common.tiny_llava import (
+from vlkv.tools.task.tiny_llava import (
     IMAGE,
     SPECIAL_TOKENS,
     build_processor,

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from vlkv.common.kv_wire import KVWireError
-from vlkv.common.transport_torch_dist import recv_compact_kv, send_compact_kv
+from vlkv.common.handoff.torch_dist import recv_compact_kv, send_compact_kv
+from vlkv.common.handoff.wire import KVWireError
 
 from tests.kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
 

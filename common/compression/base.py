@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vlkv.common.handoff.compact_kv import CompactKV
 
-from ..compact_kv import CompactKV
 from .budgets import cake_budgets, cake_preferences, pyramid_budgets, sparsity_budgets, uniform_budgets
 from .stats import AttentionStatsLike, layer_sparsity, validate_stats
 

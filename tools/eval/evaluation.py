@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from vlkv.common.attention import use_vlkv_attention
-from vlkv.common.compact_kv import CompactKV
 from vlkv.common.compression.registry import get_policy
-from vlkv.common.processing import prepare_inputs
-from vlkv.common.synthetic_task import Example, is_correct, prompt_text
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.attention import use_vlkv_attention
+from vlkv.common.request import prepare_inputs
 from vlkv.decode_worker.kv_pool import KVPool, blocks_needed
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.tools.task.synthetic_task import Example, is_correct, prompt_text
 
 
 class _Recorder:

@@ -31,7 +31,7 @@ and the product path (which adds CRC-32C on both ends, ~0.09 s/GB each, and the 
 message) sits about 10-15 points below it. At the 10% budget, 66 messages of ~0.4 MB each, the
 per-message cost dominates.
 
-    python -m vlkv.common.bench_kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
+    python -m vlkv.tools.bench.kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
 """
 
 from __future__ import annotations
@@ -49,16 +49,16 @@ from pathlib import Path
 
 import grpc
 import torch
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_assembler import KVAssembler
-from vlkv.common.kv_wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_stream
-from vlkv.common.transport import (
+from vlkv.common.handoff.assembler import KVAssembler
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.grpc_transport import (
     TRANSFER_KV_METHOD,
     GrpcKVSender,
     grpc_message_options,
     kv_receiver_handler,
     tune_malloc,
 )
+from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_stream
 from vlkv.v1 import worker_pb2
 
 LAYOUT = (32, 8, 128, torch.float16)  # L, H_kv, D, dtype

@@ -1,6 +1,6 @@
 """How many 2K-token sequences one decode pool holds with 10% vs 100% caches (no model, no timing).
 
-``python -m vlkv.decode_worker.bench_admission [--pool-gib 2]`` (also part 1 of ``bench_decode``)
+``python -m vlkv.tools.bench.admission [--pool-gib 2]`` (also part 1 of ``bench_decode``)
 
 On the full 32-layer LLaVA-Mistral-7B layout (8 KV heads, head dim 128, fp16, 16-token blocks), with the
 decode worker's own ``KVPool`` (block storage on the ``meta`` device: exact accounting, no memory), its

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoConfig
 from vlkv.common.config import ServerConfig
 from vlkv.common.grpc_server import Server
-from vlkv.common.model_loading import load_model, load_processor
+from vlkv.common.handoff.grpc_transport import tune_malloc
+from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.security import BearerTokenInterceptor
-from vlkv.common.transport import tune_malloc
 from vlkv.decode_worker.server import DecodeServicer, add_decode_servicer
 from vlkv.prefill_worker.server import PrefillServicer
 from vlkv.services.admin import AdminServicer

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from vlkv.services.bench_report import COLORS, SYSTEMS, Results
+from vlkv.tools.bench.report import COLORS, SYSTEMS, Results
 
 
 def _f(x, fmt: str = ".1f", none: str = "—") -> str:
@@ -117,11 +117,11 @@ def _markdown(res: Results) -> list[str]:
         "",
         f"- Systems: {SYSTEMS['a']}; {SYSTEMS['b']}; {SYSTEMS['c']}. (a) and (b) are one deployment "
         "(`vlkv serve`: Ray `LocalCluster`, 1 prefill + 1 decode worker actor, 1 torch thread each, gateway "
-        "in the serve process); the policy is a request parameter. (c) is `python -m vlkv.services.hf_baseline` "
+        "in the serve process); the policy is a request parameter. (c) is `python -m vlkv.tools.bench.hf_baseline` "
         "(one process, 1 torch thread, static batches through `model.generate`, padded left, tokens streamed "
         "per step by a `transformers` streamer; 1 thread because with 2 its `generate()` ran ~5x slower on "
         "this shared machine, OpenMP threads contending with the other load). Each server is its own process; the load generator "
-        "(`vlkv.services.loadgen`, grpc.aio) runs in the bench process and speaks the public API to all three.",
+        "(`vlkv.tools.loadgen`, grpc.aio) runs in the bench process and speaks the public API to all three.",
         f"- Same KV memory: **{plan.kv_mb:g} MiB** per system: vlkv's decode-worker pool (`--pool-mb "
         f"{plan.kv_mb:g}`, 16-token blocks, default admission `grow`: a cache takes the blocks of its own tokens, sequences "
         "take blocks as they decode and the newest is preempted to host memory when the pool fills); "
@@ -164,18 +164,18 @@ def _markdown(res: Results) -> list[str]:
         "Each figure's own command (the same code the report runs):",
         "",
         f"- servers: `vlkv serve --model SPEED_MODEL --port P --pool-mb {plan.kv_mb:g} --max-batch 1024 "
-        f"--threads 1` and `python -m vlkv.services.hf_baseline --model SPEED_MODEL --port P --kv-budget-mb "
+        f"--threads 1` and `python -m vlkv.tools.bench.hf_baseline --model SPEED_MODEL --port P --kv-budget-mb "
         f"{plan.kv_mb:g} --threads 1 --collect-ms 20`",
-        f"- Figure 6 points: `python -m vlkv.services.loadgen --address HOST:P --concurrency C -n N "
+        f"- Figure 6 points: `python -m vlkv.tools.loadgen --address HOST:P --concurrency C -n N "
         f"--images-per-prompt {wl.get('long_images')} --filler-words {wl.get('long_filler_words')} "
         f"--max-new-tokens {plan.max_new_tokens} --policy vlcache --budget {plan.budget}` (`--policy full` for "
         f"(b) and (c)), N = max(4, {plan.requests_per_level:g} C)",
         "- Table 2 cells: the same with `--concurrency B -n B` (and without `--images-per-prompt/--filler-words` "
         "for the short prompts)",
-        "- Capacity and decode-phase throughput: `vlkv.services.bench_report.probe_capacity` (worker API, "
+        "- Capacity and decode-phase throughput: `vlkv.tools.bench.report.probe_capacity` (worker API, "
         "described in section 1); for (c) one batch of its capacity through the load generator",
         f"- Fidelity: `vlkv eval --policy P --budget B -n {res.fidelity.get('n', plan.eval_n)}` for each row; "
-        "kvpress rows: `vlkv.services.bench_kvpress.run_kvpress`",
+        "kvpress rows: `vlkv.tools.bench.kvpress.run_kvpress`",
         "",
     ]
     return md
@@ -353,7 +353,7 @@ def _fidelity_section(res: Results) -> list[str]:
         f"Held-out split of the synthetic task, {fid['n']} examples (prompts ~{_f(fid.get('prompt_tokens_mean'), '.0f')} "
         "tokens), greedy, 8 new tokens, accuracy read from the decoded answer (the deciding word comes after "
         "the first token, so it is decoded from the compressed cache). vlkv rows: "
-        "`vlkv.services.evaluation.prepare/evaluate` (the prefill worker's compression, the decode worker's "
+        "`vlkv.tools.eval.evaluation.prepare/evaluate` (the prefill worker's compression, the decode worker's "
         "paged decode). kvpress rows: the press's own `compress()` on the same model and examples, decoded "
         "by the same paged decode path.",
         "",
@@ -539,9 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     """Re-render ``report.md`` and the plots from a ``results.json`` (no measurement)."""
     import argparse
 
-    from vlkv.services.bench_report import Plan
+    from vlkv.tools.bench.report import Plan
 
-    p = argparse.ArgumentParser(prog="python -m vlkv.services.bench_render")
+    p = argparse.ArgumentParser(prog="python -m vlkv.tools.bench.render")
     p.add_argument("results", help="results.json written by vlkv bench all")
     args = p.parse_args(argv)
     path = Path(args.results)

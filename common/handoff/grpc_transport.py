@@ -22,9 +22,9 @@ from typing import Protocol
 
 import grpc
 import torch
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_assembler import KVAssembler
-from vlkv.common.kv_wire import DEFAULT_CHUNK_BYTES, KVWireError, encode_stream
+from vlkv.common.handoff.assembler import KVAssembler
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, KVWireError, encode_stream
 from vlkv.v1 import kv_pb2, worker_pb2
 
 TRANSFER_KV_METHOD = "/vlkv.v1.DecodeWorker/TransferKV"

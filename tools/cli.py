@@ -161,7 +161,7 @@ def cmd_serve(args) -> int:
 
 def cmd_generate(args) -> int:
     import grpc
-    from vlkv.services.client import build_request, connect, stream
+    from vlkv.tools.client import build_request, connect, stream
 
     images = [Path(p).read_bytes() for p in args.image]
     if args.chat:
@@ -203,8 +203,8 @@ def _png(img) -> bytes:
 
 
 def cmd_demo(args) -> int:
-    from vlkv.common.synthetic_task import is_correct, make_examples
-    from vlkv.services.client import build_request, connect, generate
+    from vlkv.tools.client import build_request, connect, generate
+    from vlkv.tools.task.synthetic_task import is_correct, make_examples
 
     examples = make_examples(args.n, seed=args.seed, split="heldout")
 
@@ -244,7 +244,7 @@ def cmd_status(args) -> int:
     import time
 
     import grpc
-    from vlkv.services.client import open_channel
+    from vlkv.tools.client import open_channel
     from vlkv.v1 import admin_pb2, admin_pb2_grpc
 
     with open_channel(args.address, token=args.token, ca=args.tls_ca) as channel:
@@ -278,13 +278,13 @@ def cmd_status(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from vlkv.services.eval_report import run_eval
+    from vlkv.tools.eval.report import run_eval
 
     return run_eval(args)
 
 
 def cmd_bench(args) -> int:
-    from vlkv.services.bench_report import run_bench
+    from vlkv.tools.bench.report import run_bench
 
     return run_bench(args)
 

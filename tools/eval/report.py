@@ -8,9 +8,9 @@ from pathlib import Path
 
 from vlkv.common.compression.registry import POLICY_NAMES, get_policy
 from vlkv.common.config import ModelConfig
-from vlkv.common.model_loading import load_model, load_processor
-from vlkv.common.synthetic_task import make_examples
-from vlkv.services.evaluation import cache_hit_rate, evaluate, prepare
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.tools.eval.evaluation import cache_hit_rate, evaluate, prepare
+from vlkv.tools.task.synthetic_task import make_examples
 
 TABLE_BUDGETS = (0.01, 0.05, 0.10, 0.20, 0.40, 1.0)
 HIT_RATE_POLICIES = ("vlcache", "h2o", "zipcache", "snapkv", "streamingllm", "random")
@@ -26,7 +26,7 @@ def run_eval(args) -> int:
     if args.table:
         return _table(args, model, processor, prepared, full, start)
     if getattr(args, "ablation", False):
-        from vlkv.services.eval_ablation import run_ablation
+        from vlkv.tools.eval.ablation import run_ablation
 
         return run_ablation(args, model, processor, prepared, full.accuracy, start)
     params = {"allocator": getattr(args, "allocator", None) or None}

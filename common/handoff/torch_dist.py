@@ -26,10 +26,10 @@ import grpc
 import torch
 import torch.distributed as dist
 from google.protobuf.message import DecodeError
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_assembler import validate_header
-from vlkv.common.kv_wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError
-from vlkv.common.transport import Layers
+from vlkv.common.handoff.assembler import validate_header
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.grpc_transport import Layers
+from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError
 from vlkv.v1 import kv_pb2, worker_pb2
 
 MAGIC = 0x564C4B56  # "VLKV"

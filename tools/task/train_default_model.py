@@ -1,6 +1,6 @@
 """Train the default tiny LLaVA on the synthetic task and save it in Hugging Face format.
 
-    python -m vlkv.common.train_default_model --out common/default_model
+    python -m vlkv.tools.task.train_default_model --out common/default_model
 
 Deterministic (fixed seeds, deterministic algorithms), CPU only, from random init. The loss is next-token
 cross-entropy on the answer tokens (and the closing eos) only. The first ``--lookup-only-steps`` batches hold
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from transformers import LlavaForConditionalGeneration
-from vlkv.common.synthetic_task import (
+from vlkv.tools.task.synthetic_task import (
     COLOURS,
     IMAGE_SIZE,
     KIND_WEIGHTS,
@@ -39,7 +39,7 @@ from vlkv.common.synthetic_task import (
     make_examples,
     scene_questions,
 )
-from vlkv.common.tiny_llava import build_tiny, tokens_per_image
+from vlkv.tools.task.tiny_llava import build_tiny, tokens_per_image
 
 DEFAULTS = dict(
     steps=1200,
@@ -249,7 +249,7 @@ def train(args: argparse.Namespace) -> dict:
     processor.save_pretrained(out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "TRAINING.md")
     record = {
-        "command": "python -m vlkv.common.train_default_model " + " ".join(sys.argv[1:]),
+        "command": "python -m vlkv.tools.task.train_default_model " + " ".join(sys.argv[1:]),
         "train_seconds": round(train_time, 1),
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -286,7 +286,7 @@ def write_training_md(path: Path, rec: dict) -> None:
     lines = [
         "# Default model: tiny LLaVA trained on the synthetic task",
         "",
-        "Trained from random init on `vlkv.common.synthetic_task` (content-keyed questions, multi-token",
+        "Trained from random init on `vlkv.tools.task.synthetic_task` (content-keyed questions, multi-token",
         "answers whose deciding word is not the first generated token), 2-core CPU, deterministic.",
         "",
         f"- command: `{rec['command']}`",
@@ -301,7 +301,7 @@ def write_training_md(path: Path, rec: dict) -> None:
         f"n={rec['heldout_n']}, seed={rec['heldout_seed']}): **{rec['heldout_accuracy']:.4f}**",
         f"- per kind: {json.dumps(rec['heldout_per_kind'])}",
         "",
-        "Reproduce the accuracy with `vlkv.common.synthetic_task.evaluate_full_cache(dir, n, seed)`.",
+        "Reproduce the accuracy with `vlkv.tools.task.synthetic_task.evaluate_full_cache(dir, n, seed)`.",
         "",
         "```json",
         json.dumps(rec, indent=1),

@@ -1,6 +1,6 @@
 """Benchmark of the decode worker: admission into one pool and decode throughput, 10% vs 100% caches.
 
-``python -m vlkv.decode_worker.bench_decode [--quick] [--out out/bench_decode] [--max-kv-gb 8]``
+``python -m vlkv.tools.bench.decode [--quick] [--out out/bench_decode] [--max-kv-gb 8]``
 
 On a LLaVA-Mistral-7B text layout (hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336,
 vocab 32000), side by side in one run:
@@ -37,9 +37,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from vlkv.common.model_loading import language_model
+from vlkv.common.model.loading import language_model
 from vlkv.decode_worker import model_runner as runner_module
-from vlkv.decode_worker.bench_admission import (
+from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.model_runner import ModelRunner, StepInput
+from vlkv.tools.bench.admission import (
     BLOCK_SIZE,
     BUDGET,
     GIB,
@@ -49,8 +51,6 @@ from vlkv.decode_worker.bench_admission import (
     admission_table,
     uniform_lengths,
 )
-from vlkv.decode_worker.kv_pool import KVPool
-from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 
 GAIN_MIN = 0.1  # the gain share (measured - 1) / (ideal - 1) is shown only where the ideal is >= 1.1x
 DTYPE = torch.float32  # fp32 matmuls beat bf16 on this CPU (no AVX-512 BF16); see the module notes

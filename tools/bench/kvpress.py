@@ -27,9 +27,9 @@ import types
 from pathlib import Path
 
 import torch
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.synthetic_task import is_correct, prompt_text
-from vlkv.services.evaluation import compress, decode_batch
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.tools.eval.evaluation import compress, decode_batch
+from vlkv.tools.task.synthetic_task import is_correct, prompt_text
 
 KVPRESS_VERSION = "0.5.5"
 CACHE_DIR = Path.home() / ".cache" / "vlkv-bench" / f"kvpress-{KVPRESS_VERSION}"

@@ -33,9 +33,9 @@ from collections.abc import Callable
 import grpc
 import torch
 from google.protobuf.message import DecodeError
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError, dtype_name
-from vlkv.common.kv_wire_codec import crc32c, parse_data_wire
+from vlkv.common.handoff.codec import crc32c, parse_data_wire
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError, dtype_name
 from vlkv.v1 import kv_pb2
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from vlkv.common.compact_kv import CompactKV
 from vlkv.common.compression.registry import get_policy
-from vlkv.common.processing import prepare_inputs
-from vlkv.common.synthetic_task import GRID, SHAPES, TOKENS_PER_IMAGE, is_correct, prompt_text
-from vlkv.services.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.request import prepare_inputs
+from vlkv.tools.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches
+from vlkv.tools.task.synthetic_task import GRID, SHAPES, TOKENS_PER_IMAGE, is_correct, prompt_text
 
 BUDGETS = (0.05, 0.10, 0.20)
 # (label, policy, params): scorer and allocator swapped one at a time around vlcache

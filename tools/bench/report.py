@@ -12,7 +12,7 @@ The report (``report.md`` with PNG plots, ``results.json``) has: the largest con
 holds in the KV budget (for vlkv counted exactly at the decode worker's admission), decode throughput at
 that concurrency, throughput against latency over a sweep of closed-loop concurrency (the paper's Figure
 6), end-to-end latency for 100 output tokens by batch size and prompt length (the paper's Table 2), TTFT
-with the KV hand-off included, and a fidelity table (``vlkv.services.evaluation`` on the held-out split,
+with the KV hand-off included, and a fidelity table (``vlkv.tools.eval.evaluation`` on the held-out split,
 and NVIDIA kvpress's presses where they run; see ``bench_kvpress.py``).
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import grpc
 from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv.services.loadgen import LoadResult, format_summary, run_load, synthetic_workload
+from vlkv.tools.loadgen import LoadResult, format_summary, run_load, synthetic_workload
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, worker_pb2, worker_pb2_grpc
 
 SYSTEMS = {
@@ -123,8 +123,8 @@ def _random_default_arch(path: Path) -> None:
     """A random-weight model with the default model's architecture (used only if it is not there)."""
     import torch
     from transformers import LlavaForConditionalGeneration
-    from vlkv.common.synthetic_task import IMAGE_SIZE, PATCH_SIZE, VOCAB
-    from vlkv.common.tiny_llava import build_tiny
+    from vlkv.tools.task.synthetic_task import IMAGE_SIZE, PATCH_SIZE, VOCAB
+    from vlkv.tools.task.tiny_llava import build_tiny
 
     _, proc, cfg = build_tiny(
         VOCAB,
@@ -230,7 +230,7 @@ def vlkv_command(model: Path, port: int, kv_mb: float) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "vlkv.services.cli",
+        "vlkv.tools.cli",
         "serve",
         "--model",
         str(model),
@@ -249,7 +249,7 @@ def hf_command(model: Path, port: int, kv_mb: float, stats: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "vlkv.services.hf_baseline",
+        "vlkv.tools.bench.hf_baseline",
         "--model",
         str(model),
         "--port",
@@ -284,7 +284,7 @@ class Workloads:
 
 def _prompt_tokens(processor, image_token_id: int, req) -> int:
     from vlkv.common.config import Limits
-    from vlkv.common.processing import decode_images, prepare_inputs, render_prompt
+    from vlkv.common.request import decode_images, prepare_inputs, render_prompt
 
     images = decode_images(list(req.images), Limits())
     return prepare_inputs(processor, images, render_prompt(req, processor), image_token_id).modality.m
@@ -292,7 +292,7 @@ def _prompt_tokens(processor, image_token_id: int, req) -> int:
 
 def make_workloads(model: Path, plan: Plan, n: int = 64) -> Workloads:
     from transformers import AutoConfig
-    from vlkv.common.model_loading import load_processor
+    from vlkv.common.model.loading import load_processor
 
     processor = load_processor(str(model))
     image_token_id = int(AutoConfig.from_pretrained(str(model)).image_token_id)
@@ -388,7 +388,7 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
     then sent to check that the gateway refuses it too; finally one ``Decode`` stream per held cache is
     opened at once, so all of them decode together as one continuous batch (decode-phase throughput).
     """
-    from vlkv.common.processing import render_prompt
+    from vlkv.common.request import render_prompt
     from vlkv.decode_worker.kv_pool import blocks_needed
 
     prefill, decode = cluster_workers(gateway)
@@ -423,7 +423,7 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
     load_full = decode_load(decode[0])
     public = ""
     try:
-        from vlkv.services.client import connect, generate
+        from vlkv.tools.client import connect, generate
 
         channel, gstub = connect(gateway)
         try:
@@ -599,9 +599,9 @@ def _run_hf(res: Results, wl: Workloads, speed: Path, out: Path, plan: Plan) -> 
 def _fidelity(res: Results, model: Path, plan: Plan, kvpress_mode: str) -> None:
     import torch
     from vlkv.common.config import ModelConfig
-    from vlkv.common.model_loading import load_model, load_processor
-    from vlkv.common.synthetic_task import make_examples
-    from vlkv.services.evaluation import evaluate, prepare
+    from vlkv.common.model.loading import load_model, load_processor
+    from vlkv.tools.eval.evaluation import evaluate, prepare
+    from vlkv.tools.task.synthetic_task import make_examples
 
     t0 = time.perf_counter()
     torch.set_num_threads(2)
@@ -625,7 +625,7 @@ def _fidelity(res: Results, model: Path, plan: Plan, kvpress_mode: str) -> None:
     res.fidelity = {"n": len(prepared), "rows": rows, "prompt_tokens_mean": _mean([p.m for p in prepared])}
     res.timings["fidelity_s"] = time.perf_counter() - t0
     if kvpress_mode != "off":
-        from vlkv.services.bench_kvpress import run_kvpress
+        from vlkv.tools.bench.kvpress import run_kvpress
 
         t1 = time.perf_counter()
         res.kvpress = run_kvpress(model, mdl, proc, examples, prepared, plan.eval_budgets, kvpress_mode)
@@ -676,7 +676,7 @@ def run_bench(args) -> int:
     _fidelity(res, model, plan, args.kvpress)
     res.timings["total_s"] = time.perf_counter() - wall0
     res.machine["load_avg_end"] = os.getloadavg()
-    from vlkv.services.bench_render import render
+    from vlkv.tools.bench.render import render
 
     render(res, out)
     print(f"[bench] wrote {out / 'report.md'} in {res.timings['total_s']:.0f} s", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Benchmark of the attention-statistics and paged-decode kernels.
 
-``python -m vlkv.kernels.bench_kernels [--quick] [--out DIR] [--layout 7b|small] [--m 1024,2048]``
+``python -m vlkv.tools.bench.kernels [--quick] [--out DIR] [--layout 7b|small] [--m 1024,2048]``
 
 On CUDA: the Triton kernels against their torch references and PyTorch SDPA, with achieved bandwidth
 (unique bytes read / time), and the statistics overhead (50 query rows) as a share of one prefill layer
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from .attention_stats import attention_stats, attention_stats_reference
-from .paged_decode import paged_decode_attention, paged_decode_reference
+from vlkv.kernels.attention_stats import attention_stats, attention_stats_reference
+from vlkv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 
 TAU = 50  # query rows for the statistics, as in the paper's speed benchmark
 

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import torch
 from torch import nn
-from vlkv.common.compact_kv import CompactKV
-from vlkv.common.kv_wire_codec import crc32c, encode_data_wire
+from vlkv.common.handoff.codec import crc32c, encode_data_wire
+from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.v1 import generate_pb2, kv_pb2
 
 FORMAT_VERSION = 1  # see the module docstring; bump on any incompatible change
@@ -255,12 +255,3 @@ def encode_compact_kv(
         policy=policy,
     )
     return encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes, wire=wire)
-
-
-def __getattr__(name: str) -> object:
-    """Re-export the decoder (it lives in ``kv_assembler`` to keep both files short)."""
-    if name in ("KVAssembler", "validate_header"):
-        from vlkv.common import kv_assembler
-
-        return getattr(kv_assembler, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,8 @@ bounded by a request count and a wall-clock duration. Per request it records the
 the inter-token latencies, the end-to-end latency, the tokens received and the final gRPC status; a
 progress line goes to stderr. Everything runs on one ``grpc.aio`` channel in one event loop.
 
-    python -m vlkv.services.loadgen --address 127.0.0.1:50051 --concurrency 8 -n 64
-    python -m vlkv.services.loadgen --address 127.0.0.1:50051 --rate 2 --duration 60 --dir my_images/
+    python -m vlkv.tools.loadgen --address 127.0.0.1:50051 --concurrency 8 -n 64
+    python -m vlkv.tools.loadgen --address 127.0.0.1:50051 --rate 2 --duration 60 --dir my_images/
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ def synthetic_workload(
     policy: str = "",
     budget: float | None = None,
 ) -> list[generate_pb2.GenerateRequest]:
-    """``n`` requests from the synthetic task (``vlkv.common.synthetic_task``).
+    """``n`` requests from the synthetic task (``vlkv.tools.task.synthetic_task``).
 
     By default each request is one example: its image(s) then its question. ``images_per_prompt`` > 0 pads
     (or cuts) every prompt's images to that many, taking the extra ones from other examples, and
     ``filler_words`` > 0 puts that many words of text context before the images: both make long prompts
     (the question stays last, after the images, as in the paper's setting).
     """
-    from vlkv.common.synthetic_task import make_examples
+    from vlkv.tools.task.synthetic_task import make_examples
 
     examples = make_examples(max(n, 1) * (1 + images_per_prompt), seed=seed, split=split)
     spare = [im for ex in examples[n:] for im in ex.images]
@@ -481,7 +481,7 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vlkv.services.loadgen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vlkv.tools.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default="127.0.0.1:50051")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=0, help="closed loop: streams in flight")

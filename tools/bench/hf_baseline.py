@@ -14,7 +14,7 @@ of n rows padded to prompt length M with up to N new tokens holds ``n * (M + N) 
 full KV cache (all layers, K and V), which must stay within ``kv_budget_bytes``. A request that cannot fit
 even alone, or that finds the queue full, is refused with RESOURCE_EXHAUSTED.
 
-    python -m vlkv.services.hf_baseline --port 50061 --kv-budget-mb 32 --threads 2
+    python -m vlkv.tools.bench.hf_baseline --port 50061 --kv-budget-mb 32 --threads 2
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from transformers.generation.streamers import BaseStreamer
 from vlkv.common.config import DEFAULT_MODEL_DIR, Limits, ModelConfig
 from vlkv.common.errors import InvalidInput, ResourceExhausted, VlkvError
 from vlkv.common.grpc_server import Server, abort_stream_on_error
-from vlkv.common.model_loading import kv_layout, load_model, load_processor
-from vlkv.common.processing import decode_images, prepare_inputs, render_prompt
+from vlkv.common.model.loading import kv_layout, load_model, load_processor
+from vlkv.common.request import decode_images, prepare_inputs, render_prompt
 from vlkv.common.sampling import SamplingConfig, sampling_from_proto
 from vlkv.prefill_worker.server import eos_ids
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
@@ -376,7 +376,7 @@ async def start_hf_baseline(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m vlkv.services.hf_baseline", description=__doc__.split("\n\n")[0]
+        prog="python -m vlkv.tools.bench.hf_baseline", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--host", default="127.0.0.1")

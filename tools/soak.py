@@ -1,4 +1,4 @@
-"""Bounded soak: ``python -m vlkv.services.soak [-n 1000] [--concurrency 64]``.
+"""Bounded soak: ``python -m vlkv.tools.soak [-n 1000] [--concurrency 64]``.
 
 Starts a local cluster (Ray-placed workers) on the default model, sends ``n`` synthetic requests closed-loop
 at the given concurrency through the public API, prints latency percentiles and errors, and checks that
@@ -16,7 +16,7 @@ import grpc
 from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, ServerConfig
 from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.local import LocalCluster
-from vlkv.services.loadgen import format_summary, run_load_async, synthetic_workload
+from vlkv.tools.loadgen import format_summary, run_load_async, synthetic_workload
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 

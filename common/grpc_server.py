@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from vlkv.common.errors import VlkvError
+from vlkv.common.errors import VlkvError, abort_with
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def abort_on_error(method):
         try:
             return await method(self, request, context)
         except VlkvError as exc:
-            await context.abort(exc.code, exc.message)
+            await abort_with(context, exc.code, exc.message, exc.reason)
 
     return wrapper
 
@@ -125,6 +125,6 @@ def abort_stream_on_error(method):
             async for item in method(self, request, context):
                 yield item
         except VlkvError as exc:
-            await context.abort(exc.code, exc.message)
+            await abort_with(context, exc.code, exc.message, exc.reason)
 
     return wrapper

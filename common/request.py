@@ -1,85 +1,146 @@
-"""The processor step: images + prompt -> input ids, pixel values and a modality map.
+"""The request, validated once where it enters vlkv and carried on as the processor left it.
 
-The modality map records where the vision tokens are; ``tau`` is the number of language tokens after the
-last vision token (the post-vision rows VL-Cache scores with). A text-only prompt has no vision tokens and
-tau = m.
+The gateway turns a public ``GenerateRequest`` into a :class:`PreparedRequest` (``prepare_request``): the
+prompt rendered (plain text or chat template), the images decoded and checked, the processor run (input ids,
+pixel values, the modality map), the prompt length checked against the limits and the model's context, and
+the sampling and compression settings validated (a random seed drawn when none was given). The prefill
+worker gets it as a ``PrefillRequest`` (``to_prefill_proto`` / ``from_prefill_proto``): tensors travel as
+raw little-endian bytes, so it neither decodes images nor runs the processor again. Every proto is parsed
+once at the edge of each process: the ``*_from_proto`` functions here are those edges.
 """
 
 from __future__ import annotations
 
-import io
+import math
 from dataclasses import dataclass
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from vlkv.common.compression.registry import DEFAULT_POLICY
+from vlkv.common.compression.settings import DEFAULT_BUDGET, DEFAULT_THRESHOLD, CompressionSettings
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
-from vlkv.v1 import generate_pb2
+from vlkv.common.model.inputs import ModalityMap, decode_images, prepare_inputs
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.sampling import SamplingConfig
+from vlkv.v1 import generate_pb2, worker_pb2
 
-ALLOWED_FORMATS = {"PNG", "JPEG"}
-
-
-@dataclass
-class ModalityMap:
-    """Where the vision tokens sit in a prompt of m tokens."""
-
-    m: int
-    vision_spans: list[tuple[int, int]]  # [start, end) of each run of vision tokens
-
-    @property
-    def num_vision_tokens(self) -> int:
-        return sum(e - s for s, e in self.vision_spans)
-
-    @property
-    def tau(self) -> int:
-        """Language tokens after the last vision token (m for a text-only prompt)."""
-        return self.m - self.vision_spans[-1][1] if self.vision_spans else self.m
-
-    @classmethod
-    def from_input_ids(cls, input_ids: torch.Tensor, image_token_id: int) -> ModalityMap:
-        ids = input_ids.reshape(-1)
-        is_vision = (ids == image_token_id).to(torch.int8)
-        edges = torch.diff(
-            is_vision, prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8)
-        )
-        starts = (edges == 1).nonzero().flatten().tolist()
-        ends = (edges == -1).nonzero().flatten().tolist()
-        return cls(m=ids.numel(), vision_spans=list(zip(starts, ends, strict=True)))
+MAX_STOP_CHARS = 256
+TENSOR_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+_DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+MAX_MODEL_INPUTS = 8  # tensors beside the ids (pixel_values, image_sizes, ...)
 
 
 @dataclass
-class PreparedInputs:
-    input_ids: torch.Tensor  # [1, m]
-    model_kwargs: dict  # pixel_values, image_sizes, attention_mask ...
+class PreparedRequest:
+    """What the prefill needs, validated: ids ``[1, m]``, model inputs (pixel_values ...), settings."""
+
+    request_id: str
+    input_ids: torch.Tensor  # [1, m] int64
+    model_inputs: dict[str, torch.Tensor]
     modality: ModalityMap
+    sampling: SamplingConfig
+    compression: CompressionSettings
+
+    @property
+    def m(self) -> int:
+        return self.modality.m
 
 
-def decode_images(blobs: list[bytes], limits: Limits) -> list[Image.Image]:
-    """Decode PNG/JPEG bytes into RGB images, enforcing byte and pixel limits."""
-    if len(blobs) > limits.max_images:
-        raise InvalidInput(f"{len(blobs)} images exceed the limit of {limits.max_images}")
-    images = []
-    for i, blob in enumerate(blobs):
-        if not blob:
-            raise InvalidInput(f"image {i} is empty")
-        if len(blob) > limits.max_image_bytes:
-            raise InvalidInput(f"image {i} has {len(blob)} bytes, over the limit of {limits.max_image_bytes}")
-        try:
-            img = Image.open(io.BytesIO(blob))
-            if img.format not in ALLOWED_FORMATS:
-                raise InvalidInput(f"image {i} is {img.format}; only PNG and JPEG are accepted")
-            w, h = img.size
-            if w * h > limits.max_image_pixels:
-                raise InvalidInput(
-                    f"image {i} is {w}x{h}, over the limit of {limits.max_image_pixels} pixels"
-                )
-            img.load()
-            images.append(img.convert("RGB"))
-        except InvalidInput:
-            raise
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise InvalidInput(f"image {i} cannot be decoded: {exc}") from None
-    return images
+def prepare_request(
+    pb: generate_pb2.GenerateRequest, processor, spec: ModelSpec, limits: Limits, *, default_seed: int
+) -> PreparedRequest:
+    """Validate a public request and run the processor; InvalidInput names the first bad field."""
+    sampling = sampling_from_proto(pb.sampling, limits, default_seed=default_seed)
+    compression = compression_from_proto(pb.compression)
+    prompt = render_prompt(pb, processor)
+    images = decode_images(list(pb.images), limits)
+    inputs = prepare_inputs(processor, images, prompt, spec.image_token_id)
+    m = inputs.modality.m
+    limit = limits.max_prompt_tokens or spec.context
+    if m > limit:
+        raise InvalidInput(f"the prompt has {m} tokens, over the limit of {limit}")
+    check_context(m, sampling.max_new_tokens, spec.context)
+    model_inputs = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
+    return PreparedRequest(
+        pb.request_id, inputs.input_ids, model_inputs, inputs.modality, sampling, compression
+    )
+
+
+def check_context(m: int, max_new_tokens: int, context: int) -> None:
+    if m + max_new_tokens > context:
+        raise InvalidInput(
+            f"prompt ({m} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{context} tokens"
+        )
+
+
+def to_prefill_proto(req: PreparedRequest, decode_address: str) -> worker_pb2.PrefillRequest:
+    spans = [i for span in req.modality.vision_spans for i in span]
+    return worker_pb2.PrefillRequest(
+        request_id=req.request_id,
+        sampling=sampling_to_proto(req.sampling),
+        compression=compression_to_proto(req.compression),
+        decode_address=decode_address,
+        input_ids=req.input_ids.reshape(-1).tolist(),
+        vision_spans=spans,
+        model_inputs=[tensor_to_proto(k, v) for k, v in req.model_inputs.items()],
+    )
+
+
+def from_prefill_proto(pb: worker_pb2.PrefillRequest, spec: ModelSpec, limits: Limits) -> PreparedRequest:
+    """The prefill worker's edge: rebuild the gateway's request, checking only that it is well formed."""
+    if not pb.request_id or not pb.decode_address:
+        raise InvalidInput("request_id and decode_address are required")
+    m = len(pb.input_ids)
+    if m == 0:
+        raise InvalidInput("the request has no input ids")
+    if spec.vocab_size and max(pb.input_ids) >= spec.vocab_size:
+        raise InvalidInput(f"an input id is outside the vocabulary of {spec.vocab_size}")
+    spans = list(pb.vision_spans)
+    pairs = list(zip(spans[::2], spans[1::2], strict=False))
+    if len(spans) % 2 or any(not 0 <= s < e <= m for s, e in pairs):
+        raise InvalidInput("vision_spans must be [start, end) pairs inside the prompt")
+    if len(pb.model_inputs) > MAX_MODEL_INPUTS:
+        raise InvalidInput(f"more than {MAX_MODEL_INPUTS} model inputs")
+    sampling = sampling_from_proto(pb.sampling, limits)
+    check_context(m, sampling.max_new_tokens, spec.context)
+    return PreparedRequest(
+        request_id=pb.request_id,
+        input_ids=torch.tensor([list(pb.input_ids)], dtype=torch.long),
+        model_inputs={t.name: tensor_from_proto(t) for t in pb.model_inputs},
+        modality=ModalityMap(m=m, vision_spans=pairs),
+        sampling=sampling,
+        compression=compression_from_proto(pb.compression),
+    )
+
+
+def tensor_to_proto(name: str, t: torch.Tensor) -> worker_pb2.Tensor:
+    t = t.detach().cpu().contiguous()
+    if t.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"model input {name!r} has unsupported dtype {t.dtype}")
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return worker_pb2.Tensor(name=name, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), data=data)
+
+
+def tensor_from_proto(pb: worker_pb2.Tensor) -> torch.Tensor:
+    """Raw bytes viewed as the announced dtype and shape (never unpickled); InvalidInput if they disagree."""
+    dtype = TENSOR_DTYPES.get(pb.dtype)
+    if dtype is None or not pb.name:
+        raise InvalidInput(f"model input {pb.name!r}: unsupported dtype {pb.dtype!r}")
+    count = math.prod(pb.shape)
+    if len(pb.shape) > 8 or count * dtype.itemsize != len(pb.data):
+        raise InvalidInput(
+            f"model input {pb.name!r}: {len(pb.data)} bytes do not hold {list(pb.shape)} {pb.dtype}"
+        )
+    if count == 0:
+        return torch.empty(tuple(pb.shape), dtype=dtype)
+    return torch.frombuffer(bytearray(pb.data), dtype=dtype).reshape(tuple(pb.shape))
 
 
 def render_prompt(request: generate_pb2.GenerateRequest, processor) -> str:
@@ -112,24 +173,63 @@ def render_prompt(request: generate_pb2.GenerateRequest, processor) -> str:
     return text
 
 
-def count_placeholders(text: str, processor) -> int:
-    return text.count(processor.image_token)
-
-
-def prepare_inputs(processor, images: list[Image.Image], prompt: str, image_token_id: int) -> PreparedInputs:
-    """Run the model's processor; the prompt must hold exactly one placeholder per image."""
-    placeholders = count_placeholders(prompt, processor)
-    if placeholders != len(images):
+def sampling_from_proto(
+    pb: generate_pb2.SamplingParams, limits: Limits, *, default_seed: int = 0
+) -> SamplingConfig:
+    """Validate request sampling parameters; out-of-range values raise InvalidInput."""
+    cfg = SamplingConfig(
+        max_new_tokens=pb.max_new_tokens if pb.HasField("max_new_tokens") else limits.default_max_new_tokens,
+        temperature=pb.temperature if pb.HasField("temperature") else 0.0,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k if pb.HasField("top_k") else 0,
+        seed=pb.seed if pb.HasField("seed") else default_seed,
+        stop=list(pb.stop),
+    )
+    if not 1 <= cfg.max_new_tokens <= limits.max_new_tokens:
         raise InvalidInput(
-            f"the prompt has {placeholders} image placeholders but {len(images)} images were sent"
+            f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {cfg.max_new_tokens}"
         )
+    if not (math.isfinite(cfg.temperature) and 0.0 <= cfg.temperature <= 100.0):
+        raise InvalidInput(f"temperature must be in [0, 100], got {cfg.temperature}")
+    if not (math.isfinite(cfg.top_p) and 0.0 < cfg.top_p <= 1.0):
+        raise InvalidInput(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k > 1_000_000:
+        raise InvalidInput(f"top_k must be <= 1000000, got {cfg.top_k}")
+    if len(cfg.stop) > limits.max_stop_strings:
+        raise InvalidInput(f"at most {limits.max_stop_strings} stop strings are allowed")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in cfg.stop):
+        raise InvalidInput(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
+    return cfg
+
+
+def sampling_to_proto(cfg: SamplingConfig) -> generate_pb2.SamplingParams:
+    return generate_pb2.SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=cfg.seed,
+        stop=cfg.stop,
+    )
+
+
+def compression_from_proto(pb: generate_pb2.CompressionParams) -> CompressionSettings:
+    """Validated settings from the request's proto; InvalidInput with the reason for a bad value."""
+    budget = pb.budget if pb.HasField("budget") else DEFAULT_BUDGET
+    threshold = pb.threshold if pb.HasField("threshold") else DEFAULT_THRESHOLD
     try:
-        batch = processor(images=images or None, text=prompt, return_tensors="pt")
-    except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"the processor rejected the input: {exc}") from None
-    input_ids = batch.pop("input_ids")
-    batch.pop("attention_mask", None)
-    if input_ids.numel() == 0:
-        raise InvalidInput("the prompt tokenizes to nothing")
-    modality = ModalityMap.from_input_ids(input_ids, image_token_id)
-    return PreparedInputs(input_ids=input_ids, model_kwargs=dict(batch), modality=modality)
+        return CompressionSettings(
+            pb.policy or DEFAULT_POLICY, float(budget), float(threshold), pb.allocator, pb.exact_budget
+        )
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def compression_to_proto(cfg: CompressionSettings) -> generate_pb2.CompressionParams:
+    return generate_pb2.CompressionParams(
+        policy=cfg.policy,
+        budget=cfg.budget,
+        threshold=cfg.threshold,
+        allocator=cfg.allocator,
+        exact_budget=cfg.exact_budget,
+    )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.loading import language_model
-from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.kernels.paged_decode import paged_decode_attention
 from vlkv.kernels.paged_decode_reference import check_paged_values
 
@@ -29,13 +29,13 @@ class StepInput:
 
 
 class PagedBatch:
-    """Per-step view of the pool: appends each layer's new K/V, then attends over the blocks.
+    """Per-step view of the K/V cache: appends each layer's new K/V, then attends over the blocks.
 
     tables: ``[S, L, max_blocks]`` int32; lengths: ``[S, L]`` int32 (before this step's token).
     """
 
-    def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.pool = pool
+    def __init__(self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache = cache
         self.tables = tables
         self.lengths = lengths
         self._rows = torch.arange(tables.shape[0], device=tables.device)
@@ -43,18 +43,18 @@ class PagedBatch:
     def update(self, key, value, layer_idx, *args, **kwargs):
         """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot."""
         pos = self.lengths[:, layer_idx].long()
-        blocks = self.tables[self._rows, layer_idx, pos // self.pool.block_size].long()
-        offs = pos % self.pool.block_size
-        self.pool.k[blocks, :, offs] = key[:, :, 0].to(self.pool.k.dtype)
-        self.pool.v[blocks, :, offs] = value[:, :, 0].to(self.pool.v.dtype)
+        blocks = self.tables[self._rows, layer_idx, pos // self.cache.block_size].long()
+        offs = pos % self.cache.block_size
+        self.cache.k[blocks, :, offs] = key[:, :, 0].to(self.cache.k.dtype)
+        self.cache.v[blocks, :, offs] = value[:, :, 0].to(self.cache.v.dtype)
         return key, value
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query ``[S, H, 1, D]`` -> output ``[S, 1, H, D]``."""
         out = paged_decode_attention(
             query[:, :, 0].contiguous(),
-            self.pool.k,
-            self.pool.v,
+            self.cache.k,
+            self.cache.v,
             self.tables[:, layer_idx].contiguous(),
             (self.lengths[:, layer_idx] + 1).to(torch.int32),
             scale=scaling,
@@ -66,12 +66,12 @@ class PagedBatch:
 class ModelRunner:
     """Runs batched single-token decode steps of a LLaVA model's language model."""
 
-    def __init__(self, model, pool: KVPool) -> None:
+    def __init__(self, model, cache: KVCache) -> None:
         use_vlkv_attention(model)
         self.model = model
         self.lm = language_model(model)
-        self.pool = pool
-        self.device = pool.k.device
+        self.cache = cache
+        self.device = cache.device
 
     @torch.inference_mode()
     def step(self, batch: list[StepInput]) -> torch.Tensor:
@@ -83,9 +83,9 @@ class ModelRunner:
         lengths = torch.tensor([s.lengths for s in batch], dtype=torch.int32)
         # Checked once per step for every layer; the attention calls then skip their own per-layer check.
         check_paged_values(
-            tables.view(-1, max_blocks), lengths.view(-1) + 1, self.pool.num_blocks, self.pool.block_size
+            tables.view(-1, max_blocks), lengths.view(-1) + 1, self.cache.num_blocks, self.cache.block_size
         )
-        paged = PagedBatch(self.pool, tables.to(self.device), lengths.to(self.device))
+        paged = PagedBatch(self.cache, tables.to(self.device), lengths.to(self.device))
 
         tokens = torch.tensor([[s.token] for s in batch], device=self.device)
         positions = torch.tensor([[s.position] for s in batch], device=self.device)

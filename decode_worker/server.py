@@ -19,36 +19,46 @@ import logging
 import grpc
 from vlkv.common import logs
 from vlkv.common.config import ServerConfig
-from vlkv.common.errors import VlkvError
+from vlkv.common.errors import Refusal, VlkvError, abort_with
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.assembler import KVAssembler
-from vlkv.common.handoff.wire import KVWireError, model_fingerprint, model_kv_layout
-from vlkv.common.sampling import sampling_from_proto
-from vlkv.decode_worker.admission import AdmissionPolicy, AdmissionRefused
+from vlkv.common.handoff.wire import KVWireError
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import sampling_from_proto
+from vlkv.decode_worker.block_manager import AdmissionPolicy, AdmissionRefusal, BlockManager, RefusalKind
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
-from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 DRAIN_LIMIT_BYTES = 1 << 30  # what a refused sender may still stream before the refusal is sent anyway
+_REFUSALS = {  # the block manager's refusal kinds as the wire's machine-readable reasons
+    RefusalKind.POOL_FULL: worker_pb2.REFUSAL_POOL_FULL,
+    RefusalKind.NEVER_FITS: worker_pb2.REFUSAL_NEVER_FITS,
+}
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, model, tokenizer, cfg: ServerConfig) -> None:
+    def __init__(self, model, tokenizer, spec: ModelSpec, cfg: ServerConfig) -> None:
         self.cfg = cfg
+        self.spec = spec
         self.tokenizer = tokenizer
         self.decode_text = text_decoder(tokenizer)
-        self.layout = model_kv_layout(model)
-        self.fingerprint = model_fingerprint(model)
+        self.layout = spec.kv_layout
+        self.fingerprint = spec.fingerprint
         _, kv_heads, head_dim, dtype = self.layout
-        self.pool = KVPool.from_bytes(
+        self.kv_cache = KVCache.from_bytes(
             cfg.pool.pool_bytes, cfg.pool.block_size, kv_heads, head_dim, dtype, cfg.model.device
         )
+        num_blocks = self.kv_cache.num_blocks
+        policy = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, num_blocks)
+        self.pool = BlockManager(num_blocks, cfg.pool.block_size, policy)  # block accounting, admission
         swap = cfg.pool.swap_bytes or cfg.pool.pool_bytes
-        self.engine = DecodeEngine(ModelRunner(model, self.pool), self.pool, cfg.pool.max_batch, swap)
-        self.admission = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, self.pool)
+        self.engine = DecodeEngine(
+            ModelRunner(model, self.kv_cache), self.pool, self.kv_cache, cfg.pool.max_batch, swap
+        )
         self.address = ""
         self.draining = False
         self._arrived: dict[str, tuple[Sequence, asyncio.TimerHandle]] = {}
@@ -74,15 +84,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if earlier is not None:  # a retried prefill: its first sender died mid-transfer
             log.warning("request %s: a new transfer supersedes an unfinished one", header.request_id)
             self._superseded.add(earlier)
-        try:
-            return self.admission.admit(
-                self.pool,
-                list(header.layer_lengths),
-                max(1, header.sampling.max_new_tokens),
-                self.engine.num_swapped,
-            )
-        except AdmissionRefused as exc:
-            raise KVWireError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        got = self.pool.admit(
+            list(header.layer_lengths), max(1, header.sampling.max_new_tokens), self.engine.num_swapped
+        )
+        if isinstance(got, AdmissionRefusal):
+            raise KVWireError(grpc.StatusCode.RESOURCE_EXHAUSTED, got.message, _REFUSALS[got.kind])
+        return got
 
     async def TransferKV(self, request_iterator, context):
         assembler = KVAssembler(
@@ -105,11 +112,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             header, ckv = assembler.finish()
             if assembler in self._superseded:
                 self.pool.free(assembler.handle)
-                raise KVWireError(grpc.StatusCode.ABORTED, f"a newer transfer of {rid!r} superseded this one")
+                raise KVWireError(
+                    grpc.StatusCode.ABORTED,
+                    f"a newer transfer of {rid!r} superseded this one",
+                    Refusal.REFUSAL_SUPERSEDED,
+                )
         except KVWireError as exc:
             self._end_transfer(rid, assembler)
             await _drain(request_iterator, DRAIN_LIMIT_BYTES)
-            await context.abort(exc.code, str(exc))
+            await abort_with(context, exc.code, str(exc), exc.reason)
         except BaseException:
             assembler.abort()
             self._end_transfer(rid, assembler)
@@ -117,7 +128,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._end_transfer(rid, assembler)
         blocks = assembler.handle
         for layer, table in enumerate(blocks.tables):
-            self.pool.write(table, ckv.keys[layer], ckv.values[layer])
+            self.kv_cache.write(table, ckv.keys[layer], ckv.values[layer])
         try:
             seq = self._make_sequence(header, ckv, blocks)
         except VlkvError as exc:
@@ -233,8 +244,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             block_size=self.pool.block_size,
             draining=self.draining,
             model_fingerprint=self.fingerprint,
-            admit_blocks=self.admission.available(self.pool, self.engine.num_swapped),
-            reserves_new_tokens=self.admission.reserve,
+            admit_blocks=self.pool.admit_room(self.engine.num_swapped),
+            reserves_new_tokens=self.pool.reserves_new_tokens,
             swapped=self.engine.num_swapped,
             preemptions=self.engine.preemptions,
         )

@@ -11,11 +11,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig
 from vlkv.common.config import ServerConfig
 from vlkv.common.grpc_server import Server
 from vlkv.common.handoff.grpc_transport import tune_malloc
 from vlkv.common.model.loading import load_model, load_processor
+from vlkv.common.model.spec import ModelSpec
 from vlkv.common.security import BearerTokenInterceptor
 from vlkv.decode_worker.server import DecodeServicer, add_decode_servicer
 from vlkv.prefill_worker.server import PrefillServicer
@@ -63,7 +63,7 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     processor = processor if processor is not None else load_processor(cfg.model.path)
-    servicer = PrefillServicer(model, processor, cfg)
+    servicer = PrefillServicer(model, ModelSpec.from_model(model, processor.tokenizer), cfg)
     server = Server(
         cfg.host,
         port,
@@ -84,7 +84,7 @@ async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, toke
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
-    servicer = DecodeServicer(model, tokenizer, cfg)
+    servicer = DecodeServicer(model, tokenizer, ModelSpec.from_model(model, tokenizer), cfg)
     server = Server(
         cfg.host,
         port,
@@ -105,13 +105,13 @@ async def start_gateway(
     cfg: ServerConfig, prefill: list[str], decode: list[str], port: int = 0, processor=None
 ) -> Running:
     processor = processor if processor is not None else load_processor(cfg.model.path)
-    model_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    spec = ModelSpec.from_checkpoint(cfg.model.path, cfg.model.torch_dtype, processor.tokenizer)
     router = Router(cfg.limits.max_message_bytes, cfg.security, keepalive_s=cfg.keepalive_s)
     for a in prefill:
         router.add_prefill(a)
     for a in decode:
         router.add_decode(a)
-    servicer = GatewayServicer(processor, model_config, cfg, router)
+    servicer = GatewayServicer(processor, spec, cfg, router)
     names = [_service_name(generate_pb2, "Generation"), _service_name(admin_pb2, "Admin")]
     token = cfg.security.api_token
     server = Server(

@@ -1,10 +1,12 @@
 """The prefill worker's gRPC service: prefill, compress, hand the compact cache to a decode worker.
 
-Prefills run one at a time in a worker thread (the forward is compute-bound and uses all torch threads);
+The request arrives as the gateway prepared it (input ids, pixel values, validated settings) and is parsed
+once here (``request.from_prefill_proto``); the processor never runs on this worker. Prefills run one at a time in a worker thread (the forward is compute-bound and uses all torch threads);
 queued requests wait on the event loop, which keeps answering health checks and load queries. The cache
 is streamed to the decode worker named in the request through its ``TransferKV`` call, as chunks serialized
-by ``kv_wire_codec`` (one copy per chunk, no protobuf objects) and sent through ``GrpcKVSender``; a
-refusal there (pool full, fingerprint mismatch) comes back to the gateway with the decode worker's status.
+by ``handoff.codec`` (one copy per chunk, no protobuf objects) and sent through ``GrpcKVSender``; a
+refusal there (pool full, fingerprint mismatch) comes back to the gateway with the decode worker's status
+and its ``Refusal`` reason; a decode worker that cannot be reached is ``REFUSAL_HAND_OFF_FAILED``.
 """
 
 from __future__ import annotations
@@ -16,27 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from vlkv.common import logs
-from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
-from vlkv.common.errors import VlkvError
+from vlkv.common.errors import Refusal, VlkvError
 from vlkv.common.grpc_server import abort_on_error, make_channel
 from vlkv.common.handoff.grpc_transport import GrpcKVSender
-from vlkv.common.handoff.wire import KVWireError, encode_compact_kv, model_fingerprint
-from vlkv.common.request import decode_images
-from vlkv.common.sampling import sampling_from_proto
-from vlkv.prefill_worker.prefill import PrefillEngine
+from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import from_prefill_proto
+from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 async def _delayed(chunks, delay_s: float):
@@ -49,11 +41,10 @@ async def _delayed(chunks, delay_s: float):
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, model, processor, cfg: ServerConfig) -> None:
+    def __init__(self, model, spec: ModelSpec, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.engine = PrefillEngine(model, processor, max_prompt_tokens=cfg.limits.max_prompt_tokens)
-        self.fingerprint = model_fingerprint(model)
-        self.eos_token_ids = eos_ids(model, processor.tokenizer)
+        self.spec = spec
+        self.engine = PrefillEngine(model, spec)
         self.address = ""
         self.draining = False
         self.running = 0
@@ -79,27 +70,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     @abort_on_error
     async def Prefill(self, request, context):
-        if not request.request_id or not request.decode_address:
-            raise VlkvError("request_id and decode_address are required", grpc.StatusCode.INVALID_ARGUMENT)
         logs.request_id.set(request.request_id)
-        sampling = sampling_from_proto(request.sampling, self.cfg.limits)
-        compression = compression_from_proto(request.compression)
-        images = decode_images(list(request.images), self.cfg.limits)
+        req = from_prefill_proto(request, self.spec, self.cfg.limits)  # this process's one parse of it
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
-            result = await loop.run_in_executor(
-                self._executor, self._run_counted, images, request.prompt, sampling, compression
-            )
+            result = await loop.run_in_executor(self._executor, self._run_counted, req)
         finally:
             self.waiting -= 1
         ckv = result.cache
         chunks = encode_compact_kv(
             ckv,
             request_id=request.request_id,
-            fingerprint=self.fingerprint,
-            sampling=sampling.to_proto(),
-            eos_token_ids=self.eos_token_ids,
+            fingerprint=self.spec.fingerprint,
+            sampling=request.sampling,
+            eos_token_ids=list(self.spec.eos_token_ids),
             prompt_tokens=result.modality.m,
             vision_tokens=result.modality.num_vision_tokens,
             policy=result.policy,
@@ -115,8 +100,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             code = exc.code
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = f"KV hand-off to decode worker {request.decode_address} failed: {exc.message}"
-                raise VlkvError(msg, grpc.StatusCode.UNAVAILABLE) from None
-            raise VlkvError(f"decode worker refused the cache: {exc.message}", code) from None
+                raise VlkvError(msg, grpc.StatusCode.UNAVAILABLE, Refusal.REFUSAL_HAND_OFF_FAILED) from None
+            raise VlkvError(f"decode worker refused the cache: {exc.message}", code, exc.reason) from None
         transfer_ms = (time.perf_counter() - start) * 1000
         return worker_pb2.PrefillReply(
             prompt_tokens=result.modality.m,
@@ -145,5 +130,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             running=self.running,
             waiting=max(0, self.waiting - self.running),
             draining=self.draining,
-            model_fingerprint=self.fingerprint,
+            model_fingerprint=self.spec.fingerprint,
         )

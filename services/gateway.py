@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 import uuid
 
 import grpc
 from vlkv.common import logs
-from vlkv.common.compression_params import compression_from_proto
 from vlkv.common.config import ServerConfig
-from vlkv.common.errors import InvalidInput, VlkvError
+from vlkv.common.errors import InvalidInput, Refusal, VlkvError, refusal_of
 from vlkv.common.grpc_server import abort_stream_on_error
-from vlkv.common.request import decode_images, prepare_inputs, render_prompt
-from vlkv.common.sampling import sampling_from_proto
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import PreparedRequest, prepare_request, to_prefill_proto
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.router import DecodeSlot, Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
@@ -36,34 +34,22 @@ HAND_OFF_ATTEMPTS = 2  # a decode worker that refuses a cache for room gets one 
 
 
 class GatewayServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, processor, model_config, cfg: ServerConfig, router: Router) -> None:
+    def __init__(self, processor, spec: ModelSpec, cfg: ServerConfig, router: Router) -> None:
         self.processor = processor
+        self.spec = spec
         self.cfg = cfg
         self.router = router
-        self.image_token_id = int(model_config.image_token_id)
-        self.num_layers = int(model_config.text_config.num_hidden_layers)
-        self.context = int(model_config.text_config.max_position_embeddings)
         self.in_flight = 0
         self.requests_total = 0
         self.metrics = GatewayMetrics()
 
-    def _validate(self, request: generate_pb2.GenerateRequest):
+    def _validate(self, request: generate_pb2.GenerateRequest) -> PreparedRequest:
+        """The one validation of a request: everything a worker needs, checked before any worker works."""
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidInput(f"request_id is longer than {MAX_REQUEST_ID} characters")
-        sampling = sampling_from_proto(request.sampling, self.cfg.limits, default_seed=secrets.randbits(62))
-        compression = compression_from_proto(request.compression)
-        prompt = render_prompt(request, self.processor)
-        images = decode_images(list(request.images), self.cfg.limits)
-        m = prepare_inputs(self.processor, images, prompt, self.image_token_id).modality.m
-        limit = self.cfg.limits.max_prompt_tokens or self.context
-        if m > limit:
-            raise InvalidInput(f"the prompt has {m} tokens, over the limit of {limit}")
-        if m + sampling.max_new_tokens > self.context:
-            raise InvalidInput(
-                f"prompt ({m} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the model's "
-                f"context of {self.context} tokens"
-            )
-        return prompt, sampling, compression, m
+        return prepare_request(
+            request, self.processor, self.spec, self.cfg.limits, default_seed=secrets.randbits(62)
+        )
 
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillReply:
         """Run the prefill; a worker that is gone (UNAVAILABLE) gets one retry on another worker."""
@@ -79,7 +65,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 return reply
             except grpc.aio.AioRpcError as exc:
                 retry = (
-                    exc.code() == grpc.StatusCode.UNAVAILABLE and len(tried) < 2 and not _hand_off_error(exc)
+                    exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and len(tried) < 2
+                    and refusal_of(exc) != Refusal.REFUSAL_HAND_OFF_FAILED  # retrying prefill will not help
                 )
                 if not retry or not any(a not in tried for a in self.router.prefill):
                     raise
@@ -114,21 +102,16 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             self.metrics.requests.labels(status).inc()
 
     async def _generate(self, request, start: float):
-        prompt, sampling, compression, m = self._validate(request)
-        rid = request.request_id or uuid.uuid4().hex
+        req = self._validate(request)
+        rid = req.request_id = request.request_id or uuid.uuid4().hex
         logs.request_id.set(rid)
-        kept = m if compression.is_full else min(m, math.ceil(compression.budget * m))
-        prefill_req = worker_pb2.PrefillRequest(
-            request_id=rid,
-            images=list(request.images),
-            prompt=prompt,
-            sampling=sampling.to_proto(),
-            compression=request.compression,
-        )
+        layer_tokens = req.compression.layer_tokens_estimate(req.m, self.spec.num_layers)
+        sampling = req.sampling
+        prefill_req = to_prefill_proto(req, decode_address="")  # serialized once, re-addressed per attempt
         pool = self.cfg.pool
         for attempt in range(HAND_OFF_ATTEMPTS):
             slot = await self.router.pick_decode(
-                [kept] * self.num_layers, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
+                layer_tokens, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
             )
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
@@ -202,7 +185,7 @@ class _NoRoom(Exception):
 
 
 def _refused_for_room(error: VlkvError) -> bool:
-    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool full" in error.message
+    return error.reason == Refusal.REFUSAL_POOL_FULL
 
 
 def _public_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -212,11 +195,6 @@ def _public_code(code: grpc.StatusCode) -> grpc.StatusCode:
     return code
 
 
-def _hand_off_error(exc: grpc.aio.AioRpcError) -> bool:
-    """UNAVAILABLE raised by a live prefill worker about its decode peer: retrying prefill will not help."""
-    return "KV hand-off" in (exc.details() or "")
-
-
 def _prefill_failure(task: asyncio.Future) -> VlkvError | None:
     if not task.done() or task.cancelled():
         return None
@@ -224,5 +202,5 @@ def _prefill_failure(task: asyncio.Future) -> VlkvError | None:
     if exc is None:
         return None
     if isinstance(exc, grpc.aio.AioRpcError):
-        return VlkvError(exc.details() or "prefill failed", _public_code(exc.code()))
+        return VlkvError(exc.details() or "prefill failed", _public_code(exc.code()), refusal_of(exc))
     return VlkvError(f"prefill failed: {exc}", grpc.StatusCode.UNAVAILABLE)

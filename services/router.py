@@ -17,7 +17,7 @@ import grpc
 from vlkv.common.errors import ResourceExhausted, Unavailable
 from vlkv.common.grpc_server import make_channel
 from vlkv.common.security import SecurityConfig
-from vlkv.decode_worker.kv_pool import blocks_needed
+from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

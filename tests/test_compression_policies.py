@@ -7,7 +7,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vlkv.common.compression import POLICY_NAMES, get_policy, layer_sparsity, recent_count, sparsity_budgets
+from vlkv.common.compression import (
+    POLICY_NAMES,
+    Allocator,
+    CompressionSettings,
+    allocator_names,
+    get_allocator,
+    get_policy,
+    layer_sparsity,
+    recent_count,
+    register_allocator,
+    sparsity_budgets,
+    unregister_allocator,
+)
 
 L, M, D, TAU = 3, 40, 8, 10
 HEADS = [(4, 2), (4, 4)]  # (H, H_kv): GQA and MHA
@@ -191,3 +203,77 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="statistics"):
         policy.compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
     assert get_policy("").name == "vlcache"
+
+
+@pytest.mark.parametrize("alpha", [0.001, 0.05, 0.25, 0.9, 1.0])
+@pytest.mark.parametrize("allocator", allocator_names())
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_allocator_gives_l_budgets_in_range(name, allocator, alpha):
+    policy = get_policy(name, allocator=allocator, exact_budget=True)
+    qs, ks, _ = make_inputs(4, 2, seed=6)
+    stats = stats_for(policy, qs, ks)
+    direct = get_allocator(allocator).budgets(stats, alpha, M, L, policy)
+    for budgets in (direct, policy.allocate(stats, alpha, M, L)):
+        assert len(budgets) == L and all(1 <= k <= M for k in budgets)
+    if alpha >= 1:
+        assert direct == [M] * L
+
+
+@pytest.fixture
+def toy_allocator():
+    @register_allocator
+    class FrontLoaded(Allocator):
+        """Everything to layer 0, one token elsewhere."""
+
+        name = "toy_front"
+
+        def budgets(self, stats, alpha, m, L, policy):
+            return [m] + [1] * (L - 1)
+
+    yield FrontLoaded.name
+    unregister_allocator(FrontLoaded.name)
+
+
+def test_registering_an_allocator_is_enough(toy_allocator):
+    assert toy_allocator in allocator_names()
+    policy = get_policy("streamingllm", allocator=toy_allocator)
+    assert not policy.requires_stats  # needs_stats defaults to False
+    _, ks, vs = make_inputs(4, 2, seed=7)
+    compact = policy.compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
+    assert compact.layer_lengths == [M] + [1] * (L - 1)
+    assert CompressionSettings("h2o", 0.1, allocator=toy_allocator).build_policy().allocator == toy_allocator
+
+
+def test_unregistered_allocator_is_rejected(toy_allocator):
+    unregister_allocator(toy_allocator)
+    with pytest.raises(ValueError, match="unknown allocator"):
+        get_policy("h2o", allocator=toy_allocator)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "magic"}, "unknown compression policy 'magic'; choose from vlcache, "),
+        ({"budget": 0.0}, r"compression budget must be in \(0, 1\], got 0.0"),
+        ({"budget": 1.5}, "budget must be"),
+        ({"budget": float("nan")}, "budget must be"),
+        ({"threshold": 1.0}, r"compression threshold must be in \(0, 1\), got 1.0"),
+        ({"allocator": "magic"}, "unknown allocator 'magic'; choose from sparsity, uniform, pyramid, cake"),
+    ],
+)
+def test_settings_validate_themselves(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionSettings(**kwargs)
+
+
+def test_settings_full_cache_and_admission_estimate():
+    assert CompressionSettings("full", 0.1).is_full and CompressionSettings("h2o", 1.0).is_full
+    assert not CompressionSettings("vlcache", 0.99).is_full
+    assert CompressionSettings("full", 0.1).layer_tokens_estimate(47, 4) == [47] * 4
+    assert CompressionSettings("vlcache", 0.1).layer_tokens_estimate(47, 3) == [5] * 3
+    assert CompressionSettings("vlcache", 0.001).layer_tokens_estimate(47, 2) == [1, 1]
+    policy = CompressionSettings("snapkv", 0.2, allocator="cake", exact_budget=True).build_policy()
+    assert (policy.name, policy.allocator, policy.exact_budget) == ("snapkv", "cake", True)
+    _, ks, vs = make_inputs(4, 2, seed=8)  # the full policy needs no statistics at any budget
+    compact = get_policy("full", allocator="sparsity").compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
+    assert all(a is b for a, b in zip(compact.keys, ks, strict=True))

@@ -14,9 +14,10 @@ from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.handoff.wire import KVWireError
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
+from vlkv.decode_worker.block_manager import BlockManager
 from vlkv.decode_worker.detokenizer import IncrementalText
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
-from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.tools.client import build_request, generate
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2
@@ -38,7 +39,7 @@ def _req(i: int):
 def _cluster(model_dir: str, **pool) -> InProcCluster:
     cfg = PoolConfig(pool_bytes=POOL_BLOCKS * BLOCK_BYTES, block_size=4, **pool)
     c = InProcCluster(ServerConfig(model=ModelConfig(path=model_dir), pool=cfg))
-    assert c.pool.num_blocks == POOL_BLOCKS and c.pool.block_bytes == BLOCK_BYTES
+    assert c.pool.num_blocks == POOL_BLOCKS and c.decode.servicer.kv_cache.block_bytes == BLOCK_BYTES
     return c
 
 
@@ -87,8 +88,8 @@ def _load(c: InProcCluster) -> worker_pb2.WorkerLoad:
 
 def _engine_run(model, tokenizer, pool_blocks: int, swap_bytes: int, n_seqs: int = 4) -> tuple[dict, object]:
     """Submit ``n_seqs`` random full caches (27 tokens per layer) at once and decode them greedily."""
-    pool = KVPool(pool_blocks, 4, num_kv_heads=2, head_dim=16)
-    engine = DecodeEngine(ModelRunner(model, pool), pool, max_batch=8, swap_bytes=swap_bytes)
+    pool, cache = BlockManager(pool_blocks, 4), KVCache(pool_blocks, 4, num_kv_heads=2, head_dim=16)
+    engine = DecodeEngine(ModelRunner(model, cache), pool, cache, max_batch=8, swap_bytes=swap_bytes)
     g = torch.Generator().manual_seed(0)
 
     async def main():
@@ -98,7 +99,7 @@ def _engine_run(model, tokenizer, pool_blocks: int, swap_bytes: int, n_seqs: int
             blocks = pool.allocate([27, 27], 0)
             assert blocks is not None
             for table in blocks.tables:
-                pool.write(table, torch.randn(2, 27, 16, generator=g), torch.randn(2, 27, 16, generator=g))
+                cache.write(table, torch.randn(2, 27, 16, generator=g), torch.randn(2, 27, 16, generator=g))
             seq = Sequence(
                 f"r{i}", blocks, [27, 27], 27, 3 + i, SamplingConfig(max_new_tokens=MAX_NEW), set(),
                 generate_pb2.Usage(), IncrementalText(tokenizer, []),
@@ -127,7 +128,7 @@ def test_preempted_sequences_resume_with_the_same_tokens(tiny_model_dirs):
     tight, small = _engine_run(model, tokenizer, pool_blocks=POOL_BLOCKS, swap_bytes=1 << 20)
     assert small.preemptions > 0  # 4 x 14 blocks admitted; together they grow to 4 x 34
     assert tight == roomy and all(len(t) == MAX_NEW for t in tight.values())
-    assert small.pool.num_free == POOL_BLOCKS and small.swap_used == 0 and not small.swapped
+    assert small.blocks.num_free == POOL_BLOCKS and small.swap_used == 0 and not small.scheduler.swapped
 
 
 def test_no_swap_space_fails_the_newest_sequence_only(tiny_model_dirs):
@@ -139,7 +140,7 @@ def test_no_swap_space_fails_the_newest_sequence_only(tiny_model_dirs):
     failed = sorted(r for r, t in tight.items() if t == grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert failed and "r0" not in failed  # the oldest is never the one preempted
     assert all(tight[r] == roomy[r] for r in tight if r not in failed)
-    assert small.pool.num_free == POOL_BLOCKS
+    assert small.blocks.num_free == POOL_BLOCKS
 
 
 def test_cluster_under_pool_pressure_answers_every_request(tiny_model_dirs, solo):

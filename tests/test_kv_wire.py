@@ -17,9 +17,8 @@ from vlkv.common.handoff.wire import (
     KVWireError,
     encode_header,
     encode_stream,
-    model_fingerprint,
-    model_kv_layout,
 )
+from vlkv.common.model.spec import ModelSpec, model_fingerprint
 from vlkv.v1 import kv_pb2, worker_pb2
 
 from tests.kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
@@ -370,7 +369,7 @@ def test_model_fingerprint():
     base = model()
     fp = model_fingerprint(base)
     assert fp == model_fingerprint(model()) and len(fp) == 16
-    assert model_kv_layout(base) == (2, 2, 16, torch.float32)
+    assert ModelSpec.from_model(base).kv_layout == (2, 2, 16, torch.float32)
     with torch.no_grad():
         base[1].bias[-1] += 1.0
     assert model_fingerprint(base) != fp

@@ -9,8 +9,9 @@ import pytest
 import torch
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import ResourceExhausted
+from vlkv.common.model.inputs import decode_images
 from vlkv.common.model.loading import load_model, load_processor
-from vlkv.common.request import decode_images, render_prompt
+from vlkv.common.request import render_prompt
 from vlkv.tools.bench.hf_baseline import HFBaselineServicer, start_hf_baseline
 from vlkv.tools.client import build_request, connect, generate
 from vlkv.tools.loadgen import dir_workload, run_load, synthetic_workload

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+from vlkv.tools.progress import Progress
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -281,44 +282,21 @@ class LoadResult:
 
 
 class _Progress:
-    def __init__(self, label: str, target: int | None, duration_s: float | None, enabled: bool) -> None:
-        self.label = label
-        self.target = target
-        self.duration_s = duration_s
-        self.enabled = enabled
+    """Requests completed of the total (``tools/progress.py``), with calls in flight, errors and tok/s."""
+
+    def __init__(self, label: str, target: int | None, enabled: bool) -> None:
         self.sent = self.done = self.errors = self.tokens = 0
         self.t0 = time.perf_counter()
-        self._last = 0.0
+        self.bar = Progress(target, desc=label, unit="req", disable=not enabled)
 
-    def line(self) -> str:
-        el = time.perf_counter() - self.t0
-        if self.target:
-            frac = self.done / self.target
-        elif self.duration_s:
-            frac = min(1.0, el / self.duration_s)
-        else:
-            frac = 0.0
-        bar = "#" * int(frac * 20)
-        total = self.target if self.target else "?"
-        return (
-            f"\r{self.label} [{bar:<20}] {self.done}/{total} done, {self.sent - self.done} in flight, "
-            f"{self.errors} errors, {self.tokens / max(el, 1e-9):.1f} tok/s, {el:.0f}s "
-        )
-
-    def tick(self, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if force or now - self._last >= 0.5:
-            self._last = now
-            sys.stderr.write(self.line())
-            sys.stderr.flush()
+    def tick(self) -> None:
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix(f"{self.sent - self.done} in flight, {self.errors} errors, {rate:.1f} tok/s")
+        self.bar.update(self.done - self.bar.n)
 
     def close(self) -> None:
-        if self.enabled:
-            self.tick(force=True)
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self.tick()
+        self.bar.close()
 
 
 async def _one(
@@ -393,7 +371,7 @@ async def run_load_async(
     if max_requests is None and duration_s is None:
         max_requests = len(requests)
     limit = max_requests if max_requests is not None else math.inf
-    prog = _Progress(label, max_requests, duration_s, progress)
+    prog = _Progress(label, max_requests, progress)
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -1,13 +1,21 @@
-"""KV cache compression policies (VL-Cache and baselines) and layer budget allocators.
+"""KV cache compression policies (VL-Cache and baselines), layer budget allocators, request settings.
 
 See README.md in this folder. Typical use on the prefill worker::
 
-    policy = get_policy("vlcache", allocator=None, exact_budget=False)
+    policy = CompressionSettings("vlcache", budget=0.1).build_policy()
     q0 = policy.query_start(m, tau)  # statistics rows q0 .. m-1 in every layer
     compact = policy.compress(stats, keys, values, alpha=0.1, m=m, tau=tau, first_token=tok)
 """
 
-from .base import ALLOCATORS, TAU0_WINDOW, Policy, post_vision_start, recent_count
+from .allocators import (
+    ALLOCATORS,
+    Allocator,
+    allocator_names,
+    get_allocator,
+    register_allocator,
+    unregister_allocator,
+)
+from .base import TAU0_WINDOW, Policy, post_vision_start, recent_count
 from .budgets import (
     cake_budgets,
     cake_preferences,
@@ -18,18 +26,25 @@ from .budgets import (
     uniform_budgets,
 )
 from .registry import DEFAULT_POLICY, POLICY_NAMES, get_policy
+from .settings import DEFAULT_BUDGET, DEFAULT_THRESHOLD, CompressionSettings
 from .stats import AttentionStatsLike, group_sum, head_sparsity, layer_sparsity
 
 __all__ = [
     "ALLOCATORS",
+    "DEFAULT_BUDGET",
     "DEFAULT_POLICY",
+    "DEFAULT_THRESHOLD",
     "POLICY_NAMES",
     "TAU0_WINDOW",
+    "Allocator",
     "AttentionStatsLike",
+    "CompressionSettings",
     "Policy",
+    "allocator_names",
     "cake_budgets",
     "cake_preferences",
     "fit_total",
+    "get_allocator",
     "get_policy",
     "group_sum",
     "head_sparsity",
@@ -38,6 +53,8 @@ __all__ = [
     "pyramid_budgets",
     "realized_ratio",
     "recent_count",
+    "register_allocator",
     "sparsity_budgets",
     "uniform_budgets",
+    "unregister_allocator",
 ]

@@ -7,8 +7,9 @@ Lifecycle on the prefill worker, per request:
      first_token=...)`` -> :class:`CompactKV`. It calls ``allocate`` (layer budgets k_l), then per layer
      ``select`` (kept indices per KV head, built from ``score``), then gathers K and V.
 
-A new policy overrides ``score`` (and ``query_start`` if it needs other rows); the allocator is a
-separate, per-request choice (``allocator="sparsity"|"uniform"|"pyramid"|"cake"``).
+The default ``score`` is the post-vision column sum (VL-Cache's); a new policy overrides only what differs
+(``score``, ``query_start``). The allocator is a separate, per-request choice by registered name
+(``allocators.py``). ``is_full(alpha)`` is the one definition of "keep the whole cache".
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from typing import ClassVar
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 
-from .budgets import cake_budgets, cake_preferences, pyramid_budgets, sparsity_budgets, uniform_budgets
-from .stats import AttentionStatsLike, layer_sparsity, validate_stats
+from .allocators import get_allocator
+from .stats import AttentionStatsLike, group_sum, validate_stats
 
-ALLOCATORS = ("sparsity", "uniform", "pyramid", "cake")
 TAU0_WINDOW = 8  # query rows used when the prompt has no post-vision text (tau = 0)
 
 
@@ -41,9 +41,9 @@ def recent_count(k: int, ratio: float = 0.1) -> int:
 
 @dataclass
 class Policy:
-    """Base policy (kvpress-style). Subclasses set ``name`` and override ``score``.
+    """Base policy (kvpress-style). Subclasses set ``name`` and override what differs from the default.
 
-    allocator: layer budget allocator, one of :data:`ALLOCATORS`.
+    allocator: layer budget allocator, a name registered in ``allocators.py``.
     exact_budget: for the sparsity allocator, hit ``round(alpha * L * m)`` exactly (see budgets.py).
     recent_ratio: fraction of each layer's budget spent on the most recent tokens.
     pyramid_beta, cake_tau1, cake_tau2: parameters of the pyramid and CAKE allocators.
@@ -51,6 +51,7 @@ class Policy:
 
     name: ClassVar[str] = "base"
     scores_need_stats: ClassVar[bool] = True
+    always_full: ClassVar[bool] = False  # True: every layer keeps m whatever alpha (the `full` policy)
 
     allocator: str = "uniform"
     exact_budget: bool = False
@@ -60,17 +61,20 @@ class Policy:
     cake_tau2: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"unknown allocator {self.allocator!r}; choose from {ALLOCATORS}")
+        get_allocator(self.allocator)  # ValueError for an unknown name
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
         if self.cake_tau1 <= 0 or self.cake_tau2 <= 0:
             raise ValueError("cake_tau1 and cake_tau2 must be > 0")
 
+    def is_full(self, alpha: float) -> bool:
+        """Whether budget ``alpha`` keeps the whole cache: ``alpha >= 1`` or the ``full`` policy."""
+        return self.always_full or alpha >= 1.0
+
     @property
     def requires_stats(self) -> bool:
-        """Whether ``compress`` reads attention statistics (scorer or allocator)."""
-        return self.scores_need_stats or self.allocator in ("sparsity", "cake")
+        """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget."""
+        return not self.always_full and (self.scores_need_stats or get_allocator(self.allocator).needs_stats)
 
     def query_start(self, m: int, tau: int) -> int:
         """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision."""
@@ -79,17 +83,12 @@ class Policy:
     def allocate(
         self, stats_per_layer: Sequence[AttentionStatsLike | None] | None, alpha: float, m: int, L: int
     ) -> list[int]:
-        """Per-layer budgets k_l, ``len == L``, each in ``[1, m]``."""
-        if self.allocator == "uniform":
-            return uniform_budgets(L, alpha, m)
-        if self.allocator == "pyramid":
-            return pyramid_budgets(L, alpha, m, beta=self.pyramid_beta)
-        stats = _require(stats_per_layer, L, self.allocator)
-        if self.allocator == "sparsity":
-            gammas = [layer_sparsity(s) for s in stats]
-            return sparsity_budgets(gammas, alpha, m, exact=self.exact_budget)
-        prefs = cake_preferences(stats, tau1=self.cake_tau1, tau2=self.cake_tau2)
-        return cake_budgets(prefs, alpha, m)
+        """Per-layer budgets k_l, ``len == L``, each in ``[1, m]``; ``[m] * L`` when :meth:`is_full`."""
+        if self.is_full(alpha):
+            return [m] * L
+        allocator = get_allocator(self.allocator)
+        stats = _require(stats_per_layer, L, self.allocator) if allocator.needs_stats else None
+        return allocator.budgets(stats, alpha, m, L, self)
 
     def score(
         self,
@@ -103,8 +102,12 @@ class Policy:
         """Token scores ``[H_kv, m]`` (higher = keep), query-head scores summed within a GQA group.
 
         keys, values: ``[H_kv, m, D]`` of this layer; stats cover rows ``query_start(m, tau) .. m-1``.
+        Default: the column sums over those rows, ``sum_{h in group} sum_{i >= q0} A_hij``
+        (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score.
         """
-        raise NotImplementedError
+        if stats is None:
+            raise ValueError(f"{self.name} scores need attention statistics")
+        return group_sum(stats.col_sum.float(), keys.shape[0])
 
     def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
@@ -130,12 +133,16 @@ class Policy:
         m: int,
         tau: int,
     ) -> list[torch.Tensor]:
-        """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``."""
+        """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``.
+
+        Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``.
+        """
         num_layers = len(keys_per_layer)
         if len(values_per_layer) != num_layers:
             raise ValueError("keys and values must have one tensor per layer")
         q0 = self.query_start(m, tau)
-        stats = _require(stats_per_layer, num_layers, self.name) if self.requires_stats else None
+        needs_stats = self.requires_stats and not self.is_full(alpha)
+        stats = _require(stats_per_layer, num_layers, self.name) if needs_stats else None
         for i, keys in enumerate(keys_per_layer):
             if keys.dim() != 3 or keys.shape[1] != m:
                 raise ValueError(f"layer {i}: keys {tuple(keys.shape)} are not [H_kv, m={m}, D]")
@@ -167,8 +174,8 @@ class Policy:
     ) -> CompactKV:
         """Compress one sequence's cache. keys/values per layer: ``[H_kv, m, D]`` (post-RoPE).
 
-        Layers whose budget is m are passed through untouched (the same tensors), so ``alpha = 1`` and
-        the ``full`` policy return the cache bitwise unchanged.
+        Layers whose budget is m are passed through untouched (the same tensors, made contiguous if they
+        are not), so ``alpha >= 1`` and the ``full`` policy return the cache bitwise unchanged.
         """
         kept = self.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
         out_k, out_v = [], []

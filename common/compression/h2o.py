@@ -7,31 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import Policy
-from .stats import AttentionStatsLike, group_sum
 
 
 @dataclass
 class H2OPolicy(Policy):
-    """Score = ``sum_{h in group} sum_{i=0}^{m-1} A_hij`` (causal softmax over the whole prompt)."""
+    """Score = ``sum_{h in group} sum_{i=0}^{m-1} A_hij`` (causal softmax over the whole prompt): the base
+    column-sum ``score`` over all rows."""
 
     name = "h2o"
 
     def query_start(self, m: int, tau: int) -> int:
         """All prompt rows."""
         return 0
-
-    def score(
-        self,
-        layer: int,
-        stats: AttentionStatsLike | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        m: int,
-        tau: int,
-    ) -> torch.Tensor:
-        """``[H_kv, m]`` accumulated attention from stats.col_sum ``[H, m]``."""
-        assert stats is not None
-        return group_sum(stats.col_sum.float(), keys.shape[0])

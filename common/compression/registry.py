@@ -34,7 +34,8 @@ DEFAULT_POLICY = "vlcache"
 def get_policy(name: str = DEFAULT_POLICY, *, allocator: str | None = None, **params: Any) -> Policy:
     """Build policy ``name`` (empty = vlcache) with dataclass ``params``.
 
-    allocator: ``"sparsity" | "uniform" | "pyramid" | "cake"``; None or "" keeps the policy's own.
+    allocator: a registered allocator name (``allocators.allocator_names()``); None or "" keeps the
+    policy's own.
     Unknown names or parameters raise ValueError.
     """
     cls = _POLICIES.get(name or DEFAULT_POLICY)

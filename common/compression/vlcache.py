@@ -9,31 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import Policy
-from .stats import AttentionStatsLike, group_sum
 
 
 @dataclass
 class VLCachePolicy(Policy):
-    """Score = column sums of the post-vision softmax, summed over the query heads of a KV group.
+    """Score = column sums of the post-vision softmax, summed over the query heads of a KV group
+    (the base ``score`` and ``query_start``).
 
     Budgets default to Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h.
     """
 
     name = "vlcache"
     allocator: str = "sparsity"
-
-    def score(
-        self,
-        layer: int,
-        stats: AttentionStatsLike | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        m: int,
-        tau: int,
-    ) -> torch.Tensor:
-        """``[H_kv, m]``: ``sum_{h in group} sum_{i >= m - tau} A'_hij`` (stats.col_sum ``[H, m]``)."""
-        assert stats is not None
-        return group_sum(stats.col_sum.float(), keys.shape[0])

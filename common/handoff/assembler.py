@@ -33,9 +33,11 @@ from collections.abc import Callable
 import grpc
 import torch
 from google.protobuf.message import DecodeError
+from vlkv.common.errors import Refusal
 from vlkv.common.handoff.codec import crc32c, parse_data_wire
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError, dtype_name
+from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVWireError, dtype_name
+from vlkv.common.model.spec import KVLayout
 from vlkv.v1 import kv_pb2
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -86,12 +88,17 @@ def validate_header(
         raise KVWireError(
             _PRECONDITION,
             f"model fingerprint {header.model_fingerprint!r} != this worker's {expected_fingerprint!r}",
+            Refusal.REFUSAL_FINGERPRINT_MISMATCH,
         )
     layers, heads, head_dim, dtype = expected_layout
     got = (header.num_layers, header.num_kv_heads, header.head_dim, header.dtype)
     want = (layers, heads, head_dim, dtype_name(dtype))
     if got != want:
-        raise KVWireError(_PRECONDITION, f"KV layout (L, H_kv, D, dtype) {got} != this worker's {want}")
+        raise KVWireError(
+            _PRECONDITION,
+            f"KV layout (L, H_kv, D, dtype) {got} != this worker's {want}",
+            Refusal.REFUSAL_LAYOUT_MISMATCH,
+        )
     return total
 
 

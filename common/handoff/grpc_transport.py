@@ -22,6 +22,7 @@ from typing import Protocol
 
 import grpc
 import torch
+from vlkv.common.errors import refusal_of
 from vlkv.common.handoff.assembler import KVAssembler
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, KVWireError, encode_stream
@@ -122,7 +123,7 @@ class GrpcKVSender:
         try:
             return await self._call(chunks, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise KVWireError(err.code(), err.details() or "KV transfer failed") from err
+            raise KVWireError(err.code(), err.details() or "KV transfer failed", refusal_of(err)) from err
 
 
 async def receive_kv_stream(

@@ -29,7 +29,8 @@ from google.protobuf.message import DecodeError
 from vlkv.common.handoff.assembler import validate_header
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.grpc_transport import Layers
-from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVLayout, KVWireError
+from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVWireError
+from vlkv.common.model.spec import KVLayout
 from vlkv.v1 import kv_pb2, worker_pb2
 
 MAGIC = 0x564C4B56  # "VLKV"

@@ -19,12 +19,10 @@ missing) is DATA_LOSS; a sane cache built for another model/layout/dtype is FAIL
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 import torch
-from torch import nn
 from vlkv.common.handoff.codec import crc32c, encode_data_wire
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.v1 import generate_pb2, kv_pb2
@@ -40,19 +38,17 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-# Elements sampled per parameter by model_fingerprint (evenly strided, plus the tensor's last element).
-FINGERPRINT_SAMPLES = 1024
-
-KVLayout = tuple[int, int, int, "torch.dtype | str"]  # (num_layers, num_kv_heads, head_dim, dtype)
 
 
 class KVWireError(Exception):
-    """A rejected KV stream; ``code`` is the gRPC status the receiver should answer with."""
+    """A rejected KV stream; ``code`` is the gRPC status the receiver should answer with, ``reason`` the
+    machine-readable ``worker_pb2.Refusal`` its sender acts on (``errors.refusal_metadata``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: int = 0) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.reason = reason
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -61,46 +57,6 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     if name not in DTYPES:
         raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     return name
-
-
-def _text_config(config: object) -> object:
-    """The language-model part of a (possibly multimodal, e.g. LLaVA) HF config."""
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else getattr(config, "text_config", None) or config
-
-
-def model_kv_layout(model: nn.Module) -> tuple[int, int, int, torch.dtype]:
-    """(num_layers, num_kv_heads, head_dim, dtype) of the KV cache ``model`` produces."""
-    cfg = _text_config(model.config)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    return int(cfg.num_hidden_layers), kv_heads, head_dim, next(model.parameters()).dtype
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """16-hex-digit digest of the KV layout, vocab size and a strided sample of every parameter.
-
-    Hashes every parameter's name, shape and dtype plus ``FINGERPRINT_SAMPLES`` evenly strided
-    elements of it (gathered on the parameter's device, so a 7B model moves ~2 MB to the host and
-    hashes in well under a second). Tradeoff: an edit that touches only unsampled elements (say one
-    row of one matrix) keeps the fingerprint; any fine-tune, re-quantization, dtype cast, checkpoint
-    swap or layout change alters it. Hashing all 14 GB would be exact but take tens of seconds.
-    """
-    num_layers, kv_heads, head_dim, dtype = model_kv_layout(model)
-    cfg = _text_config(model.config)
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{num_layers}/{kv_heads}/{head_dim}/{dtype}/{getattr(cfg, 'vocab_size', 0)}".encode())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            h.update(f"|{name}:{tuple(p.shape)}:{p.dtype}".encode())
-            flat = p.detach().reshape(-1)
-            if flat.numel() == 0:
-                continue
-            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-            sample = torch.cat([flat[::step][:FINGERPRINT_SAMPLES], flat[-1:]]).cpu().contiguous()
-            h.update(sample.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -6,9 +6,6 @@ layout of ``llava-hf/...`` repositories (GQA and MHA language backbones). Nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from transformers import (
     AutoConfig,
     AutoProcessor,
@@ -26,34 +23,6 @@ MODEL_CLASSES = {
 
 class UnsupportedModelError(ValueError):
     pass
-
-
-@dataclass
-class KVLayout:
-    """What one token of KV cache looks like in this model."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-
-def kv_layout(model: PreTrainedModel) -> KVLayout:
-    text = model.config.text_config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return KVLayout(
-        num_layers=text.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        dtype=model.dtype,
-    )
 
 
 def load_model(cfg: ModelConfig, *, attn_implementation: str = "sdpa") -> PreTrainedModel:

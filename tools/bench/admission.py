@@ -3,15 +3,15 @@
 ``python -m vlkv.tools.bench.admission [--pool-gib 2]`` (also part 1 of ``bench_decode``)
 
 On the full 32-layer LLaVA-Mistral-7B layout (8 KV heads, head dim 128, fp16, 16-token blocks), with the
-decode worker's own ``KVPool`` (block storage on the ``meta`` device: exact accounting, no memory), its
-``AdmissionPolicy`` and its ``DecodeEngine`` scheduler:
+decode worker's own ``BlockManager`` (exact accounting; the pool sized by a ``KVCache`` on the ``meta``
+device, no memory), its ``AdmissionPolicy`` and its ``Scheduler``:
 
 1. Admitted: caches handed to an empty pool one after another until admission refuses one, under each
    admission policy: ``grow`` (the default: blocks of the cache itself, 1% of the pool kept free) and
    ``reserve`` (the cache plus ``max_new_tokens`` in every layer).
 2. Sustained: a closed loop in which a new cache arrives whenever admission takes it and every sequence
-   generates ``max_new_tokens`` tokens, stepped through the engine's ``schedule()`` (growth, preemption to
-   host memory, resumption): the mean number of sequences decoding per step over the last two thirds of
+   generates ``max_new_tokens`` tokens, stepped through the scheduler's ``schedule()`` (growth, preemption
+   to host memory, resumption; no K/V is copied): the mean number of sequences decoding per step over the last two thirds of
    ``3 x max_new_tokens`` steps, and the preemptions it took. This is the concurrency the pool sustains.
 """
 
@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 from vlkv.common.sampling import SamplingConfig
-from vlkv.decode_worker.admission import AdmissionPolicy, AdmissionRefused
-from vlkv.decode_worker.engine import DecodeEngine, Sequence
-from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, SequenceBlocks
+from vlkv.decode_worker.core import DecodeSequence
+from vlkv.decode_worker.kv_cache import KVCache
+from vlkv.decode_worker.scheduler import Scheduler
 
 GIB = 1 << 30
 BLOCK_SIZE = 16  # PoolConfig.block_size default
@@ -73,50 +74,45 @@ def uneven_lengths(m: int, budget: float, layers: int) -> list[int]:
     return out
 
 
-def meta_pool(pool_bytes: int, layout: Layout = LAYOUT_7B, dtype=ADMIT_DTYPE) -> KVPool:
-    """A real ``KVPool`` whose block storage lives on the meta device: exact accounting, no memory."""
-    return KVPool.from_bytes(pool_bytes, BLOCK_SIZE, layout.kv_heads, layout.head_dim, dtype, device="meta")
+def meta_cache(pool_bytes: int, layout: Layout = LAYOUT_7B, dtype=ADMIT_DTYPE) -> KVCache:
+    """A real ``KVCache`` sized as the decode worker sizes it, on the meta device: no memory."""
+    return KVCache.from_bytes(pool_bytes, BLOCK_SIZE, layout.kv_heads, layout.head_dim, dtype, device="meta")
+
+
+def meta_pool(pool_bytes: int, policy: str = "grow") -> BlockManager:
+    """The decode worker's block manager for ``pool_bytes`` of 7B blocks, under admission ``policy``."""
+    n = meta_cache(pool_bytes).num_blocks
+    return BlockManager(n, BLOCK_SIZE, AdmissionPolicy.from_config(policy, WATERMARK, n))
 
 
 def admit_count(pool_bytes: int, lengths: list[int], max_new_tokens: int, policy: str = "grow") -> int:
     """Caches admitted one after another into an empty pool until admission refuses one."""
-    pool = meta_pool(pool_bytes)
-    admission = AdmissionPolicy.from_config(policy, WATERMARK, pool)
+    pool = meta_pool(pool_bytes, policy)
     n = 0
-    try:
-        while True:
-            admission.admit(pool, lengths, max_new_tokens)
-            n += 1
-    except AdmissionRefused:
-        return n
+    while isinstance(pool.admit(lengths, max_new_tokens), SequenceBlocks):
+        n += 1
+    return n
 
 
 def sustained(pool_bytes: int, lengths: list[int], max_new_tokens: int, policy: str = "grow") -> dict:
-    """Closed loop through the engine's scheduler: mean sequences decoding per step, and preemptions."""
-    pool = meta_pool(pool_bytes)
-    admission = AdmissionPolicy.from_config(policy, WATERMARK, pool)
-    engine = DecodeEngine(None, pool, max_batch=1 << 30, swap_bytes=1 << 62, swap_device="meta")
+    """Closed loop through the decode scheduler: mean sequences decoding per step, and preemptions."""
+    pool = meta_pool(pool_bytes, policy)
+    sched: Scheduler[DecodeSequence] = Scheduler(pool, max_batch=1 << 30, swap_bytes=1 << 62)
     steps, counts, finished = 3 * max_new_tokens, [], 0
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     for step in range(steps):
-        while True:
-            try:
-                blocks = admission.admit(pool, lengths, max_new_tokens, engine.num_swapped)
-            except AdmissionRefused:
-                break
-            seq = Sequence(str(step), blocks, list(lengths), ADMIT_PROMPT, 0, sampling, set(), None, None)
-            seq.arrival, seq.generated = next(engine._arrivals), [0]
-            engine.waiting.append(seq)
-        engine.schedule()
-        counts.append(len(engine.running))
-        for seq in list(engine.running):  # the step: one token per running sequence
+        while isinstance(blocks := pool.admit(lengths, max_new_tokens, len(sched.swapped)), SequenceBlocks):
+            sched.add(DecodeSequence(str(step), blocks, list(lengths), ADMIT_PROMPT, 0, sampling))
+        plan = sched.schedule()
+        counts.append(len(plan.running))
+        for seq in plan.running:  # the step: one token per running sequence
             seq.lengths = [n + 1 for n in seq.lengths]
             seq.generated.append(0)
             if len(seq.generated) >= max_new_tokens:
-                engine.cancel(seq)  # leaves the batch and frees its blocks, as a finished sequence does
+                sched.finish(seq)  # leaves the batch and frees its blocks
                 finished += 1
     tail = counts[steps // 3 :]
-    return {"mean_running": sum(tail) / len(tail), "preemptions": engine.preemptions, "finished": finished}
+    return {"mean_running": sum(tail) / len(tail), "preemptions": sched.preemptions, "finished": finished}
 
 
 @dataclass
@@ -139,7 +135,7 @@ def admission(
 ) -> dict:
     """Admitted and sustained sequences of ``prompt`` tokens in ``pool_bytes``, per policy and cache."""
     layers = LAYOUT_7B.layers
-    pool = meta_pool(pool_bytes)
+    cache = meta_cache(pool_bytes)
     cases = {
         "100%": [prompt] * layers,
         "10% uniform": uniform_lengths(prompt, BUDGET, layers),
@@ -147,7 +143,7 @@ def admission(
     }
     rows = []
     for policy in POLICIES:
-        need = AdmissionPolicy.from_config(policy, WATERMARK, pool).need
+        need = meta_pool(pool_bytes, policy).admit_need
         full = full_sus = None
         for name, lengths in cases.items():
             n = admit_count(pool_bytes, lengths, max_new_tokens, policy)
@@ -156,13 +152,13 @@ def admission(
             full_sus = sus["mean_running"] if full_sus is None else full_sus
             rows.append(
                 AdmissionRow(policy, name, min(lengths), max(lengths), sum(lengths),
-                             need(pool, lengths, max_new_tokens), n, n / full if full else math.inf,
+                             need(lengths, max_new_tokens), n, n / full if full else math.inf,
                              sus["mean_running"], sus["mean_running"] / full_sus, sus["preemptions"])
             )  # fmt: skip
     return {
         "pool_bytes": pool_bytes,
-        "num_blocks": pool.num_blocks,
-        "block_bytes": pool.block_bytes,
+        "num_blocks": cache.num_blocks,
+        "block_bytes": cache.block_bytes,
         "prompt": prompt,
         "max_new_tokens": max_new_tokens,
         "rows": [asdict(r) for r in rows],

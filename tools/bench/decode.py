@@ -5,14 +5,14 @@
 On a LLaVA-Mistral-7B text layout (hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336,
 vocab 32000), side by side in one run:
 
-1. Admission: ``bench_admission`` (the decode worker's ``KVPool``, ``AdmissionPolicy`` and scheduler on
+1. Admission: ``bench_admission`` (the decode worker's ``BlockManager``, ``AdmissionPolicy`` and ``Scheduler`` on
    the full 32-layer layout, no model): 2K-token sequences admitted into the same pool bytes, and
    sustained while each generates 100 tokens, with 10% caches (uniform and VL-Cache-like uneven ``k_l``)
    vs 100% caches, under both admission policies.
 2. Decode throughput of ``ModelRunner.step`` (the real LLaVA language model, paged decode attention) on
    the layout truncated to ``--layers`` layers, random weights, fp32, one torch thread by default
    (``--threads``): batch sizes 1, 8, 32, 64 at prompt lengths 2K and 8K, with pools filled with random
-   K/V through ``KVPool.write`` (10%: ``ceil(0.1 m)`` tokens per layer; 100%: m). The 100% and 10% steps are interleaved (a warm-up step
+   K/V through ``KVCache.write`` (10%: ``ceil(0.1 m)`` tokens per layer; 100%: m). The 100% and 10% steps are interleaved (a warm-up step
    each, then ``--reps`` timed steps each), so both see the same machine load; the speedup is the median
    of the per-repeat ratios. Beside it: the ideal speedup from bytes read per step,
    ``(weights + KV at 100%) / (weights + KV at 10%)``, and the share of it reached. Configurations whose
@@ -39,7 +39,8 @@ import torch
 import transformers
 from vlkv.common.model.loading import language_model
 from vlkv.decode_worker import model_runner as runner_module
-from vlkv.decode_worker.kv_pool import KVPool
+from vlkv.decode_worker.block_manager import BlockManager
+from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.tools.bench.admission import (
     BLOCK_SIZE,
@@ -149,14 +150,15 @@ class _AttentionTimer:
 
 
 class Side:
-    """One cache budget's pool, runner and ``n_seqs`` sequences of one prompt length."""
+    """One cache budget's blocks, K/V cache, runner and ``n_seqs`` sequences of one prompt length."""
 
     def __init__(self, model, m: int, lengths: list[int], n_seqs: int, reserve: int, seed: int) -> None:
         lay = LAYOUT_7B
         self.m, self.initial = m, lengths
         blocks = n_seqs * sum(_ceil_div(n + reserve, BLOCK_SIZE) for n in lengths)
-        self.pool = KVPool(blocks, BLOCK_SIZE, lay.kv_heads, lay.head_dim, DTYPE)
-        self.runner = ModelRunner(model, self.pool)
+        self.blocks = BlockManager(blocks, BLOCK_SIZE)
+        self.cache = KVCache(blocks, BLOCK_SIZE, lay.kv_heads, lay.head_dim, DTYPE)
+        self.runner = ModelRunner(model, self.cache)
         gen = torch.Generator().manual_seed(seed)
         # One random cache per layer, written into every sequence's own blocks (timing does not depend
         # on the values; distinct blocks keep the memory traffic real).
@@ -167,10 +169,10 @@ class Side:
         ]  # fmt: skip
         self.seqs = []
         for i in range(n_seqs):
-            seq = self.pool.allocate(lengths, reserve)
+            seq = self.blocks.allocate(lengths, reserve)
             assert seq is not None, "the pool was sized for these sequences"
             for table, (k, v) in zip(seq.tables, kv, strict=True):
-                self.pool.write(table, k, v)
+                self.cache.write(table, k, v)
             self.seqs.append({"blocks": seq, "lengths": list(lengths), "steps": 0, "token": 1 + i})
         del kv
 
@@ -269,8 +271,8 @@ def throughput(
         full = Side(model, m, full_len, max(fits), reserve, seed=m) if fits else None
         small = Side(model, m, small_len, max(batches), reserve, seed=m + 1)
         log(f"  [{m / 1024:g}K] pools filled in {time.perf_counter() - t0:.1f} s "
-            f"(100%: {_fmt_gib(full.pool.k.numel() * elem * 2) if full else 'none'}, "
-            f"10%: {_fmt_gib(small.pool.k.numel() * elem * 2)})", flush=True)  # fmt: skip
+            f"(100%: {_fmt_gib(full.cache.k.numel() * elem * 2) if full else 'none'}, "
+            f"10%: {_fmt_gib(small.cache.k.numel() * elem * 2)})", flush=True)  # fmt: skip
         with timer.installed():
             for b in batches:
                 t_full, t_small = _measure(
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print("\n".join(header), flush=True)
 
-    print("## 1. Admission into one pool (KVPool accounting)\n", flush=True)
+    print("## 1. Admission into one pool (BlockManager accounting)\n", flush=True)
     adm = admission(int(args.pool_gib * GIB))
     adm_text = admission_table(adm)
     print(adm_text + "\n", flush=True)
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Load average at end {mach['loadavg_end']}; total run time {elapsed:.0f} s.",
     ]
     report = "\n".join(
-        [*header, "## 1. Admission into one pool (KVPool accounting)", "", adm_text, "",
+        [*header, "## 1. Admission into one pool (BlockManager accounting)", "", adm_text, "",
          f"## 2. Decode throughput ({layers} of 32 layers, fp32, block size {BLOCK_SIZE})", "", tp_text, "",
          *[f"- {n}" for n in notes], ""]
     )  # fmt: skip

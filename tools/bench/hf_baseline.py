@@ -37,10 +37,11 @@ from transformers.generation.streamers import BaseStreamer
 from vlkv.common.config import DEFAULT_MODEL_DIR, Limits, ModelConfig
 from vlkv.common.errors import InvalidInput, ResourceExhausted, VlkvError
 from vlkv.common.grpc_server import Server, abort_stream_on_error
-from vlkv.common.model.loading import kv_layout, load_model, load_processor
-from vlkv.common.request import decode_images, prepare_inputs, render_prompt
-from vlkv.common.sampling import SamplingConfig, sampling_from_proto
-from vlkv.prefill_worker.server import eos_ids
+from vlkv.common.model.inputs import decode_images, prepare_inputs
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import render_prompt, sampling_from_proto
+from vlkv.common.sampling import SamplingConfig
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -148,15 +149,16 @@ class HFBaselineServicer(generate_pb2_grpc.GenerationServicer):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.limits = limits or Limits()
-        layout = kv_layout(model)
-        self.bytes_per_token = layout.bytes_per_token_layer * layout.num_layers
+        spec = ModelSpec.from_model(model, self.tokenizer)
+        self.spec = spec
+        self.bytes_per_token = spec.bytes_per_token_layer * spec.num_layers
         self.kv_budget_bytes = kv_budget_bytes
         self.max_batch = max_batch
         self.collect_s = collect_ms / 1000
         self.max_waiting = max_waiting
-        self.image_token_id = int(model.config.image_token_id)
-        self.context = int(model.config.text_config.max_position_embeddings)
-        self.eos = set(eos_ids(model, self.tokenizer))
+        self.image_token_id = spec.image_token_id
+        self.context = spec.context
+        self.eos = set(spec.eos_token_ids)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = next(iter(self.eos), 0)

@@ -37,6 +37,7 @@ from pathlib import Path
 import grpc
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.tools.loadgen import LoadResult, format_summary, run_load, synthetic_workload
+from vlkv.tools.progress import Progress, progress
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, worker_pb2, worker_pb2_grpc
 
 SYSTEMS = {
@@ -277,6 +278,7 @@ class Workloads:
     long: dict[str, list]
     filler_words: int
     processor: object = None
+    spec: object = None  # ModelSpec of the served checkpoint
 
     def get(self, kind: str, system: str) -> list:
         return (self.short if kind == "short" else self.long)[system]
@@ -284,18 +286,21 @@ class Workloads:
 
 def _prompt_tokens(processor, image_token_id: int, req) -> int:
     from vlkv.common.config import Limits
-    from vlkv.common.request import decode_images, prepare_inputs, render_prompt
+    from vlkv.common.model.inputs import decode_images, prepare_inputs
+    from vlkv.common.request import render_prompt
 
     images = decode_images(list(req.images), Limits())
     return prepare_inputs(processor, images, render_prompt(req, processor), image_token_id).modality.m
 
 
 def make_workloads(model: Path, plan: Plan, n: int = 64) -> Workloads:
-    from transformers import AutoConfig
+    import torch
     from vlkv.common.model.loading import load_processor
+    from vlkv.common.model.spec import ModelSpec
 
     processor = load_processor(str(model))
-    image_token_id = int(AutoConfig.from_pretrained(str(model)).image_token_id)
+    spec = ModelSpec.from_checkpoint(str(model), torch.float32, processor.tokenizer)
+    image_token_id = spec.image_token_id
     base = synthetic_workload(1, seed=7, images_per_prompt=plan.images_long)[0]
     filler = max(0, plan.long_tokens - _prompt_tokens(processor, image_token_id, base))
     for _ in range(3):  # the filler is word-level text: adjust until the prompt has long_tokens tokens
@@ -312,7 +317,7 @@ def make_workloads(model: Path, plan: Plan, n: int = 64) -> Workloads:
         long[s] = synthetic_workload(
             n, seed=13, images_per_prompt=plan.images_long, filler_words=filler, **kw
         )
-    return Workloads(short, long, filler, processor)
+    return Workloads(short, long, filler, processor, spec)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,7 +382,7 @@ def decode_load(address: str) -> worker_pb2.WorkerLoad:
         return worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=30)
 
 
-def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int = 2000) -> dict:
+def probe_capacity(gateway: str, reqs: list, wl: Workloads, label: str, limit: int = 2000) -> dict:
     """Hand compact caches to the decode worker until its admission refuses one; then decode them all.
 
     Each cache goes the way a real request's does (prefill worker -> policy -> ``TransferKV`` to the decode
@@ -388,8 +393,9 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
     then sent to check that the gateway refuses it too; finally one ``Decode`` stream per held cache is
     opened at once, so all of them decode together as one continuous batch (decode-phase throughput).
     """
-    from vlkv.common.request import render_prompt
-    from vlkv.decode_worker.kv_pool import blocks_needed
+    from vlkv.common.config import Limits
+    from vlkv.common.request import prepare_request, to_prefill_proto
+    from vlkv.decode_worker.block_manager import blocks_needed
 
     prefill, decode = cluster_workers(gateway)
     load0 = decode_load(decode[0])
@@ -401,14 +407,9 @@ def probe_capacity(gateway: str, reqs: list, processor, label: str, limit: int =
         for i in range(limit):
             req = reqs[i % len(reqs)]
             rid = f"probe-{label}-{i}-{time.monotonic_ns()}"
-            preq = worker_pb2.PrefillRequest(
-                request_id=rid,
-                images=list(req.images),
-                prompt=render_prompt(req, processor),
-                sampling=req.sampling,
-                compression=req.compression,
-                decode_address=decode[0],
-            )
+            prepared = prepare_request(req, wl.processor, wl.spec, Limits(), default_seed=i)
+            prepared.request_id = rid
+            preq = to_prefill_proto(prepared, decode[0])
             try:
                 reply = stub.Prefill(preq, timeout=120)
             except grpc.RpcError as exc:
@@ -542,7 +543,7 @@ def _run_vlkv(res: Results, wl: Workloads, speed: Path, out: Path, plan: Plan) -
         for s in ("a", "b"):
             kinds = ["long", "short"] if plan.probe_short else ["long"]
             for kind in kinds:
-                cap = probe_capacity(srv.address, wl.get(kind, s), wl.processor, f"capacity {s} {kind}")
+                cap = probe_capacity(srv.address, wl.get(kind, s), wl, f"capacity {s} {kind}")
                 res.capacity[f"{s}/{kind}"] = cap
         cap_a = res.capacity["a/long"]["admitted"]
         cap_b = res.capacity["b/long"]["admitted"]
@@ -617,11 +618,11 @@ def _fidelity(res: Results, model: Path, plan: Plan, kvpress_mode: str) -> None:
             **_eval_row(evaluate(mdl, proc, prepared, "full", 1.0)),
         }
     ]
-    for b in plan.eval_budgets:
-        for p in plan.eval_policies:
-            rows.append(
-                {"system": "vlkv", "policy": p, "budget": b, **_eval_row(evaluate(mdl, proc, prepared, p, b))}
-            )
+    runs = [(b, p) for b in plan.eval_budgets for p in plan.eval_policies]
+    for b, p in progress(runs, desc="bench fidelity", unit="run"):
+        rows.append(
+            {"system": "vlkv", "policy": p, "budget": b, **_eval_row(evaluate(mdl, proc, prepared, p, b))}
+        )
     res.fidelity = {"n": len(prepared), "rows": rows, "prompt_tokens_mean": _mean([p.m for p in prepared])}
     res.timings["fidelity_s"] = time.perf_counter() - t0
     if kvpress_mode != "off":
@@ -671,9 +672,16 @@ def run_bench(args) -> int:
         "short_prompt_tokens_mean": _mean(short_ms),
     }
     print(f"[bench] workloads: {res.workload}", file=sys.stderr)
-    _run_vlkv(res, wl, speed, out, plan)
-    _run_hf(res, wl, speed, out, plan)
-    _fidelity(res, model, plan, args.kvpress)
+    stages = [
+        ("vlkv (a, b)", lambda: _run_vlkv(res, wl, speed, out, plan)),
+        ("HF baseline (c)", lambda: _run_hf(res, wl, speed, out, plan)),
+        ("fidelity", lambda: _fidelity(res, model, plan, args.kvpress)),
+    ]
+    with Progress(len(stages), desc="bench all", unit="stage") as bar:
+        for name, stage in stages:
+            bar.set_postfix(name)
+            stage()
+            bar.update()
     res.timings["total_s"] = time.perf_counter() - wall0
     res.machine["load_avg_end"] = os.getloadavg()
     from vlkv.tools.bench.render import render

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from vlkv.common.compression.registry import get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.request import prepare_inputs
+from vlkv.common.model.inputs import prepare_inputs
 from vlkv.tools.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches
+from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import GRID, SHAPES, TOKENS_PER_IMAGE, is_correct, prompt_text
 
 BUDGETS = (0.05, 0.10, 0.20)
@@ -147,7 +148,7 @@ def run_ablation(args, model, processor, prepared, full_accuracy: float, start: 
         "| configuration | " + " | ".join(f"{b:.0%}" for b in BUDGETS) + " | k_l at 10% |",
         "| --- |" + " --- |" * (len(BUDGETS) + 1),
     ]
-    for label, policy, params in CONFIGS:
+    for label, policy, params in track(CONFIGS, desc="ablation: swaps", unit="config"):
         res = {b: run(policy, b, **params) for b in BUDGETS}
         m_mean = sum(p.m for p in prepared) / n
         k10 = [s * m_mean for s in res[0.10].layer_budget_share]
@@ -190,13 +191,16 @@ def run_ablation(args, model, processor, prepared, full_accuracy: float, start: 
         "| policy | budget | accuracy | key word repeated | colour right given key word |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for policy in ("vlcache", "snapkv", "pyramidkv"):
-        for b in BUDGETS:
-            r = run(policy, b)
-            rep, right = _key_word_breakdown(r.answers, prepared)
-            md.append(f"| {policy} | {b:.0%} | {r.accuracy:.2f} | {rep:.2f} | {right:.2f} |")
+    failures = [(policy, b) for policy in ("vlcache", "snapkv", "pyramidkv") for b in BUDGETS]
+    for policy, b in track(failures, desc="ablation: failures", unit="run"):
+        r = run(policy, b)
+        rep, right = _key_word_breakdown(r.answers, prepared)
+        md.append(f"| {policy} | {b:.0%} | {r.accuracy:.2f} | {rep:.2f} | {right:.2f} |")
 
-    deciding = [deciding_attention(model, processor, p, ps) for p, ps in zip(prepared, pos, strict=True)]
+    pairs = track(
+        zip(prepared, pos, strict=True), total=n, desc="ablation: deciding attention", unit="example"
+    )
+    deciding = [deciding_attention(model, processor, p, ps) for p, ps in pairs]
     md += [
         "",
         "## 4. Attention mass of the full-cache decode (mean over heads and examples)",

@@ -13,7 +13,6 @@ first decoding token's attention (over the full cache) that a scoring policy's t
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -21,10 +20,12 @@ from transformers import DynamicCache
 from vlkv.common.compression.registry import get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
-from vlkv.common.request import prepare_inputs
-from vlkv.decode_worker.kv_pool import KVPool, blocks_needed
+from vlkv.common.model.inputs import prepare_inputs
+from vlkv.decode_worker.block_manager import BlockManager, blocks_needed
+from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import Example, is_correct, prompt_text
 
 
@@ -73,7 +74,7 @@ def prepare(model, processor, examples: list[Example], progress: bool = True) ->
     image_token_id = int(model.config.image_token_id)
     num_layers = int(model.config.text_config.num_hidden_layers)
     out = []
-    for i, ex in enumerate(examples):
+    for ex in track(examples, desc="prefill", unit="example", disable=not progress):
         inputs = prepare_inputs(processor, ex.images, prompt_text(processor, ex), image_token_id)
         rec = _Recorder()
         cache = DynamicCache(config=model.config.text_config)
@@ -105,18 +106,13 @@ def prepare(model, processor, examples: list[Example], progress: bool = True) ->
             scores = torch.einsum("hd,hnd->hn", qn[:, 0].float(), kn.repeat_interleave(group, 0).float())
             nxt.append(torch.softmax(scores * step.scale, dim=-1)[:, :m])
         out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale))
-        if progress:
-            print(f"\rprefill {i + 1}/{len(examples)}", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
     return out
 
 
 def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:
-    if policy_name == "full" or budget >= 1.0:
-        return CompactKV(prep.keys, prep.values, prep.m, prep.first_token)
     policy = get_policy(policy_name, **params)
-    stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if policy.requires_stats else None
+    needs_stats = policy.requires_stats and not policy.is_full(budget)  # full: the cache comes back unchanged
+    stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if needs_stats else None
     return policy.compress(
         stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau, first_token=prep.first_token
     )
@@ -128,13 +124,14 @@ def decode_batch(model, caches: list[CompactKV], max_new_tokens: int, eos: set[i
     c0 = caches[0]
     block = 16
     need = sum(blocks_needed(c.layer_lengths, max_new_tokens, block) for c in caches)
-    pool = KVPool(need, block, c0.num_kv_heads, c0.head_dim, c0.dtype)
-    runner = ModelRunner(model, pool)
+    pool = BlockManager(need, block)
+    cache = KVCache(need, block, c0.num_kv_heads, c0.head_dim, c0.dtype)
+    runner = ModelRunner(model, cache)
     seqs = []
     for c in caches:
         blocks = pool.allocate(c.layer_lengths, max_new_tokens)
         for layer, table in enumerate(blocks.tables):
-            pool.write(table, c.keys[layer], c.values[layer])
+            cache.write(table, c.keys[layer], c.values[layer])
         seqs.append(
             {"blocks": blocks, "lengths": list(c.layer_lengths), "m": c.prompt_length, "out": [c.first_token]}
         )

@@ -10,6 +10,7 @@ from vlkv.common.compression.registry import POLICY_NAMES, get_policy
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval.evaluation import cache_hit_rate, evaluate, prepare
+from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import make_examples
 
 TABLE_BUDGETS = (0.01, 0.05, 0.10, 0.20, 0.40, 1.0)
@@ -63,18 +64,15 @@ def run_eval(args) -> int:
 def _table(args, model, processor, prepared, full, start) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = {}
-    for policy in POLICY_NAMES:
-        if policy == "full":
-            continue
-        rows[policy] = {}
-        for b in TABLE_BUDGETS:
-            r = evaluate(model, processor, prepared, policy, b, args.max_new_tokens)
-            rows[policy][b] = r
-            print(f"{policy:>13} {b:>5.0%}: accuracy {r.accuracy:.3f} ratio {r.ratio:.4f}", flush=True)
+    rows: dict = {}
+    runs = [(policy, b) for policy in POLICY_NAMES if policy != "full" for b in TABLE_BUDGETS]
+    for policy, b in track(runs, desc="eval table", unit="run"):
+        r = evaluate(model, processor, prepared, policy, b, args.max_new_tokens)
+        rows.setdefault(policy, {})[b] = r
+        print(f"{policy:>13} {b:>5.0%}: accuracy {r.accuracy:.3f} ratio {r.ratio:.4f}", flush=True)
     hit = {
         p: [sum(v) / len(prepared) for v in zip(*(cache_hit_rate(x, p, 0.1) for x in prepared), strict=True)]
-        for p in HIT_RATE_POLICIES
+        for p in track(HIT_RATE_POLICIES, desc="cache hit rate", unit="policy")
     }
     md = [
         f"# Accuracy against KV budget ({len(prepared)} held-out examples, full cache {full.accuracy:.3f})",

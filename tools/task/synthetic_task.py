@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
+from vlkv.tools.progress import progress
 
 IMAGE_SIZE = 72
 PATCH_SIZE = 12
@@ -335,7 +336,7 @@ def evaluate(
     """Greedy full-cache accuracy overall and per kind."""
     hits: Counter[str] = Counter()
     totals: Counter[str] = Counter()
-    for ex in examples:
+    for ex in progress(examples, desc="evaluate", unit="example"):
         text = generate_answer(model, processor, ex, max_new_tokens)
         totals[ex.kind] += 1
         hits[ex.kind] += is_correct(text, ex)

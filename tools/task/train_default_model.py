@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from transformers import LlavaForConditionalGeneration
+from vlkv.tools.progress import progress
 from vlkv.tools.task.synthetic_task import (
     COLOURS,
     IMAGE_SIZE,
@@ -211,7 +212,7 @@ def train(args: argparse.Namespace) -> dict:
     t0 = time.time()
     model.train()
     ema = None
-    for step in range(args.steps):
+    for step in progress(range(args.steps), desc="train", unit="step"):
         batch = collate(processor, next(stream))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)

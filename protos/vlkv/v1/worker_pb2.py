@@ -26,27 +26,31 @@ from vlkv.v1 import generate_pb2 as vlkv_dot_v1_dot_generate__pb2
 from vlkv.v1 import kv_pb2 as vlkv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14vlkv/v1/worker.proto\x12\x07vlkv.v1\x1a\x16vlkv/v1/generate.proto\x1a\x10vlkv/v1/kv.proto\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\"\x89\x02\n\x0cPrefillReply\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x1a\n\x12post_vision_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x05 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x07 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x08 \x03(\r\x12\x12\n\nprefill_ms\x18\t \x01(\x02\x12\x13\n\x0btransfer_ms\x18\n \x01(\x02\x12\x0e\n\x06policy\x18\x0b \x01(\t\"4\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"?\n\x0bTransferAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x18\n\x10\x62locks_allocated\x18\x02 \x01(\r\"\r\n\x0bLoadRequest\"\x84\x02\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x64mit_blocks\x18\t \x01(\r\x12\x1b\n\x13reserves_new_tokens\x18\n \x01(\x08\x12\x0f\n\x07swapped\x18\x0b \x01(\r\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x32\x80\x01\n\rPrefillWorker\x12\x39\n\x07Prefill\x12\x17.vlkv.v1.PrefillRequest\x1a\x15.vlkv.v1.PrefillReply\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad2\xbb\x01\n\x0c\x44\x65\x63odeWorker\x12\x36\n\nTransferKV\x12\x10.vlkv.v1.KVChunk\x1a\x14.vlkv.v1.TransferAck(\x01\x12=\n\x06\x44\x65\x63ode\x12\x16.vlkv.v1.DecodeRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14vlkv/v1/worker.proto\x12\x07vlkv.v1\x1a\x16vlkv/v1/generate.proto\x1a\x10vlkv/v1/kv.proto\"\xf4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x11\n\tinput_ids\x18\x07 \x03(\r\x12\x14\n\x0cvision_spans\x18\x08 \x03(\r\x12%\n\x0cmodel_inputs\x18\t \x03(\x0b\x32\x0f.vlkv.v1.TensorJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x89\x02\n\x0cPrefillReply\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x1a\n\x12post_vision_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x05 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x07 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x08 \x03(\r\x12\x12\n\nprefill_ms\x18\t \x01(\x02\x12\x13\n\x0btransfer_ms\x18\n \x01(\x02\x12\x0e\n\x06policy\x18\x0b \x01(\t\"4\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"?\n\x0bTransferAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x18\n\x10\x62locks_allocated\x18\x02 \x01(\r\"\r\n\x0bLoadRequest\"\x84\x02\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x64mit_blocks\x18\t \x01(\r\x12\x1b\n\x13reserves_new_tokens\x18\n \x01(\x08\x12\x0f\n\x07swapped\x18\x0b \x01(\r\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04*\xc5\x01\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x15\n\x11REFUSAL_POOL_FULL\x10\x01\x12\x16\n\x12REFUSAL_NEVER_FITS\x10\x02\x12 \n\x1cREFUSAL_FINGERPRINT_MISMATCH\x10\x03\x12\x1b\n\x17REFUSAL_LAYOUT_MISMATCH\x10\x04\x12\x1b\n\x17REFUSAL_HAND_OFF_FAILED\x10\x05\x12\x16\n\x12REFUSAL_SUPERSEDED\x10\x06\x32\x80\x01\n\rPrefillWorker\x12\x39\n\x07Prefill\x12\x17.vlkv.v1.PrefillRequest\x1a\x15.vlkv.v1.PrefillReply\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad2\xbb\x01\n\x0c\x44\x65\x63odeWorker\x12\x36\n\nTransferKV\x12\x10.vlkv.v1.KVChunk\x1a\x14.vlkv.v1.TransferAck(\x01\x12=\n\x06\x44\x65\x63ode\x12\x16.vlkv.v1.DecodeRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlkv.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REFUSAL']._serialized_start=1056
+  _globals['_REFUSAL']._serialized_end=1253
   _globals['_PREFILLREQUEST']._serialized_start=76
-  _globals['_PREFILLREQUEST']._serialized_end=260
-  _globals['_PREFILLREPLY']._serialized_start=263
-  _globals['_PREFILLREPLY']._serialized_end=528
-  _globals['_DECODEREQUEST']._serialized_start=530
-  _globals['_DECODEREQUEST']._serialized_end=582
-  _globals['_TRANSFERACK']._serialized_start=584
-  _globals['_TRANSFERACK']._serialized_end=647
-  _globals['_LOADREQUEST']._serialized_start=649
-  _globals['_LOADREQUEST']._serialized_end=662
-  _globals['_WORKERLOAD']._serialized_start=665
-  _globals['_WORKERLOAD']._serialized_end=925
-  _globals['_PREFILLWORKER']._serialized_start=928
-  _globals['_PREFILLWORKER']._serialized_end=1056
-  _globals['_DECODEWORKER']._serialized_start=1059
-  _globals['_DECODEWORKER']._serialized_end=1246
+  _globals['_PREFILLREQUEST']._serialized_end=320
+  _globals['_TENSOR']._serialized_start=322
+  _globals['_TENSOR']._serialized_end=388
+  _globals['_PREFILLREPLY']._serialized_start=391
+  _globals['_PREFILLREPLY']._serialized_end=656
+  _globals['_DECODEREQUEST']._serialized_start=658
+  _globals['_DECODEREQUEST']._serialized_end=710
+  _globals['_TRANSFERACK']._serialized_start=712
+  _globals['_TRANSFERACK']._serialized_end=775
+  _globals['_LOADREQUEST']._serialized_start=777
+  _globals['_LOADREQUEST']._serialized_end=790
+  _globals['_WORKERLOAD']._serialized_start=793
+  _globals['_WORKERLOAD']._serialized_end=1053
+  _globals['_PREFILLWORKER']._serialized_start=1256
+  _globals['_PREFILLWORKER']._serialized_end=1384
+  _globals['_DECODEWORKER']._serialized_start=1387
+  _globals['_DECODEWORKER']._serialized_end=1574
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 from vlkv.v1 import generate_pb2 as _generate_pb2
 from vlkv.v1 import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,21 +9,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
+    REFUSAL_POOL_FULL: _ClassVar[Refusal]
+    REFUSAL_NEVER_FITS: _ClassVar[Refusal]
+    REFUSAL_FINGERPRINT_MISMATCH: _ClassVar[Refusal]
+    REFUSAL_LAYOUT_MISMATCH: _ClassVar[Refusal]
+    REFUSAL_HAND_OFF_FAILED: _ClassVar[Refusal]
+    REFUSAL_SUPERSEDED: _ClassVar[Refusal]
+REFUSAL_UNSPECIFIED: Refusal
+REFUSAL_POOL_FULL: Refusal
+REFUSAL_NEVER_FITS: Refusal
+REFUSAL_FINGERPRINT_MISMATCH: Refusal
+REFUSAL_LAYOUT_MISMATCH: Refusal
+REFUSAL_HAND_OFF_FAILED: Refusal
+REFUSAL_SUPERSEDED: Refusal
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "images", "prompt", "sampling", "compression", "decode_address")
+    __slots__ = ("request_id", "sampling", "compression", "decode_address", "input_ids", "vision_spans", "model_inputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    IMAGES_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    VISION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_INPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    images: _containers.RepeatedScalarFieldContainer[bytes]
-    prompt: str
     sampling: _generate_pb2.SamplingParams
     compression: _generate_pb2.CompressionParams
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    vision_spans: _containers.RepeatedScalarFieldContainer[int]
+    model_inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., vision_spans: _Optional[_Iterable[int]] = ..., model_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy")

@@ -1,0 +1,190 @@
+"""Block accounting for the decode worker's paged KV pool (no torch: the gateway's router imports it).
+
+The pool is ``num_blocks`` fixed-size blocks; a block is ``block_size`` tokens of one layer (K and V for
+every KV head, stored in ``kv_cache.KVCache``). Each layer of a compact cache keeps a different number of
+tokens, so a sequence owns one block table per layer (``SequenceBlocks``). Lifecycle of a sequence's
+blocks: ``admit`` (or ``allocate``) when its cache arrives, ``append`` one token's room at a time while it
+decodes, ``free`` when it finishes, is cancelled or is preempted. Running out of room is never raised
+deep inside: ``allocate`` returns ``None``, ``append`` returns ``False`` (all or nothing) and ``admit``
+returns an ``AdmissionRefusal`` naming its kind.
+
+Admission (``PoolConfig.admission``, ``AdmissionPolicy``):
+
+- ``grow`` (default): a cache takes the blocks of its own tokens; a new cache must leave ``watermark`` of
+  the pool free, so running sequences have room to grow, and waits while preempted sequences wait to
+  resume (they go first). Sequences take further blocks one at a time while decoding; when the pool runs
+  out the scheduler preempts the newest (``scheduler.py``).
+- ``reserve``: a cache also reserves ``max_new_tokens`` in every layer, so decoding never needs a block
+  it does not have and nothing is ever preempted; fewer sequences fit.
+
+Either way a request that could not fit even in an empty pool is refused outright (``NEVER_FITS``); one
+that does not fit now is refused with ``POOL_FULL`` (room may come later).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def blocks_needed(layer_lengths: list[int], extra_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``layer_lengths[l] + extra_tokens`` tokens in every layer l (one table per layer)."""
+    return sum(_ceil_div(n + extra_tokens, block_size) for n in layer_lengths)
+
+
+@dataclass
+class SequenceBlocks:
+    """Blocks held by one sequence: ``tables[l]`` lists layer l's block ids in token order."""
+
+    tables: list[list[int]]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(t) for t in self.tables)
+
+
+class RefusalKind(enum.Enum):
+    POOL_FULL = "pool_full"  # no room now; room may come later (re-queue, retry)
+    NEVER_FITS = "never_fits"  # larger than the whole pool with max_new_tokens
+
+
+@dataclass(frozen=True)
+class AdmissionRefusal:
+    """Why ``BlockManager.admit`` took no blocks: a machine-readable ``kind`` and a message for humans."""
+
+    kind: RefusalKind
+    message: str
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """``reserve``: take ``max_new_tokens`` more in every layer at admission; ``watermark_blocks``: what a
+    new cache must leave free (grow only)."""
+
+    reserve: bool = False
+    watermark_blocks: int = 0
+
+    @classmethod
+    def from_config(cls, admission: str, watermark: float, num_blocks: int) -> AdmissionPolicy:
+        """``admission``: ``grow`` or ``reserve``; ``watermark``: share of ``num_blocks`` kept free."""
+        reserve = admission == "reserve"
+        return cls(reserve, 0 if reserve else int(watermark * num_blocks))
+
+
+class BlockManager:
+    """Free list and per-sequence block tables; every block is either free or owned by one sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: AdmissionPolicy | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.policy = policy or AdmissionPolicy()
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # -- allocation verbs ----------------------------------------------------------------------------
+    def blocks_needed(self, layer_lengths: list[int], extra_tokens: int) -> int:
+        return blocks_needed(layer_lengths, extra_tokens, self.block_size)
+
+    def can_allocate(self, layer_lengths: list[int], extra_tokens: int) -> bool:
+        return self.blocks_needed(layer_lengths, extra_tokens) <= self.num_free
+
+    def allocate(self, layer_lengths: list[int], extra_tokens: int) -> SequenceBlocks | None:
+        """Room for ``layer_lengths[l] + extra_tokens`` tokens in every layer, or None (nothing taken)."""
+        if not self.can_allocate(layer_lengths, extra_tokens):
+            return None
+        tables = []
+        for n in layer_lengths:
+            ids = [self._free.pop() for _ in range(_ceil_div(n + extra_tokens, self.block_size))]
+            self._used.update(ids)
+            tables.append(ids)
+        return SequenceBlocks(tables)
+
+    def _full_tables(self, blocks: SequenceBlocks, lengths: list[int]) -> list[list[int]]:
+        """The layer tables with no free slot for token ``lengths[l]``."""
+        return [t for t, n in zip(blocks.tables, lengths, strict=True) if n >= len(t) * self.block_size]
+
+    def blocks_to_append(self, blocks: SequenceBlocks, lengths: list[int]) -> int:
+        """New blocks ``append`` needs to place token ``lengths[l]`` of every layer l."""
+        return len(self._full_tables(blocks, lengths))
+
+    def can_append(self, blocks: SequenceBlocks, lengths: list[int]) -> bool:
+        return self.blocks_to_append(blocks, lengths) <= self.num_free
+
+    def append(self, blocks: SequenceBlocks, lengths: list[int]) -> bool:
+        """Make room for one more token in every layer (at index ``lengths[l]``); all or nothing."""
+        grow = self._full_tables(blocks, lengths)
+        if len(grow) > self.num_free:
+            return False
+        for table in grow:
+            block = self._free.pop()
+            self._used.add(block)
+            table.append(block)
+        return True
+
+    def free(self, blocks: SequenceBlocks) -> None:
+        """Return a sequence's blocks; freeing a block that is not in use is a bug and raises.
+
+        ``blocks.tables`` is rebound to empty tables; the old table lists are left as they were, so a
+        caller that kept them (a swap-out) can still read the K/V before the blocks are written again."""
+        ids = [b for t in blocks.tables for b in t]
+        if len(set(ids)) != len(ids) or not self._used.issuperset(ids):
+            raise RuntimeError("freeing blocks that are not allocated (double free)")
+        self._used.difference_update(ids)
+        self._free.extend(reversed(ids))
+        blocks.tables = [[] for _ in blocks.tables]
+
+    # -- admission -----------------------------------------------------------------------------------
+    @property
+    def reserves_new_tokens(self) -> bool:
+        return self.policy.reserve
+
+    def admit_need(self, layer_lengths: list[int], max_new_tokens: int) -> int:
+        """Blocks a cache of ``layer_lengths`` takes at admission."""
+        return self.blocks_needed(layer_lengths, max_new_tokens if self.policy.reserve else 0)
+
+    def admit_room(self, swapped: int = 0) -> int:
+        """Blocks a new cache may take now; none while ``swapped`` preempted sequences wait to resume."""
+        if swapped:
+            return 0
+        return max(0, self.num_free - self.policy.watermark_blocks)
+
+    def refusal(
+        self, layer_lengths: list[int], max_new_tokens: int, swapped: int = 0
+    ) -> AdmissionRefusal | None:
+        """Why a cache of ``layer_lengths`` cannot be admitted now, or None if it can."""
+        most = self.blocks_needed(layer_lengths, max_new_tokens)
+        if most > self.num_blocks:
+            return AdmissionRefusal(
+                RefusalKind.NEVER_FITS,
+                f"request needs up to {most} KV blocks with max_new_tokens={max_new_tokens}; "
+                f"the pool has {self.num_blocks}",
+            )
+        need, room = self.admit_need(layer_lengths, max_new_tokens), self.admit_room(swapped)
+        if need > room:
+            return AdmissionRefusal(
+                RefusalKind.POOL_FULL,
+                f"KV pool full: request needs {need} blocks, {room} available "
+                f"({self.num_free} free, {swapped} preempted sequences waiting)",
+            )
+        return None
+
+    def admit(
+        self, layer_lengths: list[int], max_new_tokens: int, swapped: int = 0
+    ) -> SequenceBlocks | AdmissionRefusal:
+        """Take a new cache's blocks under the admission policy, or say why not (nothing taken)."""
+        refused = self.refusal(layer_lengths, max_new_tokens, swapped)
+        if refused is not None:
+            return refused
+        blocks = self.allocate(layer_lengths, max_new_tokens if self.policy.reserve else 0)
+        assert blocks is not None, "admit_room never exceeds num_free"
+        return blocks

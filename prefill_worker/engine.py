@@ -1,0 +1,107 @@
+"""The prefill step: prepared request -> LLaVA forward with statistics -> first token -> compact cache.
+
+``PrefillEngine.run`` is synchronous (the server runs it in a worker thread). It takes a
+:class:`PreparedRequest` (the gateway already ran the processor and checked the limits), runs the real
+forward once over the whole prompt (the vlkv attention function hands every layer's post-RoPE Q and K to a
+:class:`StatsCollector`, which keeps only the statistics the chosen policy needs), samples the first token
+from the last position's logits, and lets the policy compress each layer's K and V into a
+:class:`CompactKV` (a full cache comes back bitwise unchanged).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from vlkv.common.errors import InvalidInput
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.attention import use_vlkv_attention
+from vlkv.common.model.inputs import ModalityMap
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import PreparedRequest
+from vlkv.common.sampling import make_generator, sample_token
+from vlkv.kernels.attention_stats import attention_stats
+
+
+@dataclass
+class PrefillResult:
+    cache: CompactKV
+    modality: ModalityMap
+    policy: str
+    prefill_ms: float
+
+
+class StatsCollector:
+    """``vlkv_stats`` observer: runs the attention-statistics kernel over query rows ``q_start .. m-1`` of
+    every layer (Q ``[1, H, m, D]``, K ``[1, H_kv, m, D]``) and keeps its O(rows + m) per-head results."""
+
+    def __init__(self, q_start: int, threshold: float) -> None:
+        self.q_start = q_start
+        self.threshold = threshold
+        self.per_layer: dict[int, object] = {}
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        if query.shape[0] != 1:
+            raise ValueError("statistics are collected for one sequence at a time")
+        self.per_layer[layer_idx] = attention_stats(
+            query[0, :, self.q_start :], key[0], q_start=self.q_start, scale=scaling, threshold=self.threshold
+        )
+
+    def stats(self, num_layers: int) -> list:
+        missing = [i for i in range(num_layers) if i not in self.per_layer]
+        if missing:
+            raise RuntimeError(f"no attention statistics for layers {missing}")
+        return [self.per_layer[i] for i in range(num_layers)]
+
+
+class PrefillEngine:
+    def __init__(self, model, spec: ModelSpec) -> None:
+        use_vlkv_attention(model)
+        self.model = model
+        self.spec = spec
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, req: PreparedRequest, observer=None) -> tuple[torch.Tensor, list, list]:
+        """The whole prompt through the model: last-position logits ``[vocab]`` (fp32) and every layer's
+        post-RoPE keys and values ``[H_kv, m, D]``. ``observer.observe(layer, q, k, scaling)`` sees each
+        layer's Q and K on the way (statistics, or a recorder in the evaluation)."""
+        cache = DynamicCache(config=self.model.config.text_config)
+        kwargs = {k: v.to(self.device) for k, v in req.model_inputs.items()}
+        if "pixel_values" in kwargs:
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
+        try:
+            out = self.model(
+                input_ids=req.input_ids.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                vlkv_stats=observer,
+                **kwargs,
+            )
+        except (ValueError, IndexError) as exc:  # model inputs that do not fit this model (shapes, ids)
+            raise InvalidInput(f"the model rejected the prepared inputs: {exc}") from None
+        layers = cache.layers[: self.spec.num_layers]
+        return out.logits[0, -1].float(), [x.keys[0] for x in layers], [x.values[0] for x in layers]
+
+    def run(self, req: PreparedRequest) -> PrefillResult:
+        start = time.perf_counter()
+        m, tau = req.modality.m, req.modality.tau
+        compression, sampling = req.compression, req.sampling
+        policy = compression.build_policy()
+        collector = None
+        if policy.requires_stats and not compression.is_full:
+            collector = StatsCollector(policy.query_start(m, tau), compression.threshold)
+        logits, keys, values = self.forward(req, collector)
+        generator = None if sampling.greedy else make_generator(sampling.seed)
+        first = sample_token(logits, sampling, generator)
+        stats = collector.stats(self.spec.num_layers) if collector is not None else None
+        # A full cache (full policy or budget >= 1) comes back from compress bitwise unchanged.
+        with torch.inference_mode():
+            ckv = policy.compress(
+                stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first
+            )
+        name = "full" if compression.is_full else compression.policy
+        return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000)

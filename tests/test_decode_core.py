@@ -1,0 +1,74 @@
+"""The synchronous decode core without a model: a fake runner whose next token depends on every cached K/V
+value, so a swap-out/swap-in that lost or moved a value would change the tokens."""
+
+from __future__ import annotations
+
+import torch
+from vlkv.common.sampling import SamplingConfig
+from vlkv.decode_worker.block_manager import BlockManager
+from vlkv.decode_worker.core import DecodeCore, DecodeSequence
+from vlkv.decode_worker.kv_cache import KVCache
+from vlkv.decode_worker.model_runner import StepInput
+
+VOCAB = 97
+MAX_NEW = 12
+
+
+class FakeRunner:
+    """Writes each step's K/V at slot ``lengths[l]`` and returns a one-hot of a hash of the whole cache."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def step(self, batch: list[StepInput]) -> torch.Tensor:
+        logits = torch.zeros(len(batch), VOCAB)
+        bs = self.cache.block_size
+        for i, s in enumerate(batch):
+            total = 0.0
+            for table, n in zip(s.tables, s.lengths, strict=True):
+                self.cache.k[table[n // bs], :, n % bs] = float(s.token % 7 + 1)
+                self.cache.v[table[n // bs], :, n % bs] = float(s.position % 5)
+                k, v = self.cache.read(table, n + 1)
+                total += float((k * torch.arange(1, n + 2)[:, None]).sum() + v.sum())
+            logits[i, int(total + s.position) % VOCAB] = 1.0
+        return logits
+
+
+def _decode(num_blocks: int, n_seqs: int = 4) -> tuple[dict[str, list[int]], DecodeCore]:
+    blocks, cache = BlockManager(num_blocks, 4), KVCache(num_blocks, 4, num_kv_heads=2, head_dim=3)
+    core = DecodeCore(FakeRunner(cache), blocks, cache, max_batch=8, swap_bytes=1 << 20)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(n_seqs):
+        lengths = [9 + i, 5]
+        seq_blocks = blocks.allocate(lengths, 0)
+        for table, n in zip(seq_blocks.tables, lengths, strict=True):
+            cache.write(
+                table, torch.randint(0, 9, (2, n, 3), generator=g).float(), torch.randn(2, n, 3, generator=g)
+            )
+        seq = DecodeSequence(f"r{i}", seq_blocks, lengths, 20 + i, i, SamplingConfig(max_new_tokens=MAX_NEW))
+        core.add(seq)
+        seqs.append(seq)
+    while core.has_work:
+        result = core.step()
+        assert not result.failed
+        for seq, token in result.tokens:
+            assert seq.generated[-1] == token
+            if len(seq.generated) >= MAX_NEW:
+                core.release(seq)
+    assert blocks.num_free == num_blocks and core.scheduler.swap_used == 0
+    return {s.request_id: s.generated for s in seqs}, core
+
+
+def test_preempted_sequences_continue_bit_for_bit():
+    roomy, big = _decode(200)
+    tight, small = _decode(24)  # 4 + 2 blocks each at first, 6 + 6 at the end: they cannot all grow
+    assert big.scheduler.preemptions == 0 and small.scheduler.preemptions > 0
+    assert tight == roomy and all(len(t) == MAX_NEW for t in tight.values())
+    assert [t[0] for t in tight.values()] == [0, 1, 2, 3]  # generated starts with the prefill's token
+
+
+def test_step_without_work_is_empty():
+    blocks, cache = BlockManager(4, 4), KVCache(4, 4, 1, 2)
+    core = DecodeCore(FakeRunner(cache), blocks, cache, max_batch=2)
+    assert not core.has_work and core.step().tokens == [] and core.step().failed == []

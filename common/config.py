@@ -78,8 +78,6 @@ class PoolConfig:
     pool_bytes: int = 256 << 20
     block_size: int = 16
     max_batch: int = 64
-    max_waiting: int = 256  # requests the gateway queues while no decode worker has room for them
-    admit_wait_s: float = 30.0  # how long a queued request waits for room before RESOURCE_EXHAUSTED
     cache_wait_ms: int = 60_000  # how long Decode waits for its cache, and the lease of an unclaimed cache
     # "grow": a cache takes blocks for its tokens only and grows a block at a time while decoding; when the
     # pool runs out, the newest sequence is preempted (swapped to host memory) and resumed first when
@@ -92,8 +90,6 @@ class PoolConfig:
         _check(self.pool_bytes > 0, "pool_bytes must be > 0")
         _check(1 <= self.block_size <= 1024, "block_size must be in [1, 1024]")
         _check(self.max_batch >= 1, "max_batch must be >= 1")
-        _check(self.max_waiting >= 0, "max_waiting must be >= 0")
-        _check(self.admit_wait_s >= 0, "admit_wait_s must be >= 0")
         _check(self.cache_wait_ms >= 1, "cache_wait_ms must be >= 1")
         _check(
             self.admission in ("grow", "reserve"),
@@ -101,6 +97,18 @@ class PoolConfig:
         )
         _check(0 <= self.watermark < 1, "watermark must be in [0, 1)")
         _check(self.swap_bytes >= 0, "swap_bytes must be >= 0")
+
+
+@dataclass(slots=True)
+class QueueConfig:
+    """The gateway's admission queue: requests wait here while no decode worker has room for them."""
+
+    max_waiting: int = 256  # requests queued at most; more are refused with RESOURCE_EXHAUSTED
+    admit_wait_s: float = 30.0  # how long a queued request waits for room before RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        _check(self.max_waiting >= 0, "max_waiting must be >= 0")
+        _check(self.admit_wait_s >= 0, "admit_wait_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -119,13 +127,45 @@ class TransferConfig:
         _check(0 <= self.fault_chunk_delay_ms <= 60_000, "fault_chunk_delay_ms must be in [0, 60000]")
 
 
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """What the gateway reads: input limits, its admission queue, the hand-off deadline it allows."""
+
+    limits: Limits
+    queue: QueueConfig
+    transfer: TransferConfig
+    security: SecurityConfig
+    keepalive_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """What a prefill worker reads: message limits, how it sends caches, how it reaches decode workers."""
+
+    limits: Limits
+    transfer: TransferConfig
+    security: SecurityConfig
+    keepalive_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """What a decode worker reads: its pool and batch, the device it holds them on, the sampling limits."""
+
+    limits: Limits
+    pool: PoolConfig
+    device: str
+
+
 @dataclass(slots=True)
 class ServerConfig:
-    """Everything one vlkv process needs."""
+    """One deployment's configuration (what the CLI builds and Ray ships to every process); each server
+    takes only its role's part (``gateway()``, ``prefill()``, ``decode()``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     limits: Limits = field(default_factory=Limits)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     host: str = "127.0.0.1"
@@ -143,3 +183,12 @@ class ServerConfig:
             self.transfer.chunk_bytes + (1 << 17) <= self.limits.max_message_bytes,
             "transfer.chunk_bytes + 128 KiB must be <= limits.max_message_bytes",
         )
+
+    def gateway(self) -> GatewayConfig:
+        return GatewayConfig(self.limits, self.queue, self.transfer, self.security, self.keepalive_s)
+
+    def prefill(self) -> PrefillConfig:
+        return PrefillConfig(self.limits, self.transfer, self.security, self.keepalive_s)
+
+    def decode(self) -> DecodeConfig:
+        return DecodeConfig(self.limits, self.pool, self.model.device)

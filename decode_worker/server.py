@@ -18,7 +18,7 @@ import logging
 
 import grpc
 from vlkv.common import logs
-from vlkv.common.config import ServerConfig
+from vlkv.common.config import DecodeConfig
 from vlkv.common.errors import Refusal, VlkvError, abort_with
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.assembler import KVAssembler
@@ -41,7 +41,7 @@ _REFUSALS = {  # the block manager's refusal kinds as the wire's machine-readabl
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, model, tokenizer, spec: ModelSpec, cfg: ServerConfig) -> None:
+    def __init__(self, model, tokenizer, spec: ModelSpec, cfg: DecodeConfig) -> None:
         self.cfg = cfg
         self.spec = spec
         self.tokenizer = tokenizer
@@ -50,7 +50,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.fingerprint = spec.fingerprint
         _, kv_heads, head_dim, dtype = self.layout
         self.kv_cache = KVCache.from_bytes(
-            cfg.pool.pool_bytes, cfg.pool.block_size, kv_heads, head_dim, dtype, cfg.model.device
+            cfg.pool.pool_bytes, cfg.pool.block_size, kv_heads, head_dim, dtype, cfg.device
         )
         num_blocks = self.kv_cache.num_blocks
         policy = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, num_blocks)

@@ -63,7 +63,7 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     processor = processor if processor is not None else load_processor(cfg.model.path)
-    servicer = PrefillServicer(model, ModelSpec.from_model(model, processor.tokenizer), cfg)
+    servicer = PrefillServicer(model, ModelSpec.from_model(model, processor.tokenizer), cfg.prefill())
     server = Server(
         cfg.host,
         port,
@@ -84,7 +84,7 @@ async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, toke
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
-    servicer = DecodeServicer(model, tokenizer, ModelSpec.from_model(model, tokenizer), cfg)
+    servicer = DecodeServicer(model, tokenizer, ModelSpec.from_model(model, tokenizer), cfg.decode())
     server = Server(
         cfg.host,
         port,
@@ -111,7 +111,7 @@ async def start_gateway(
         router.add_prefill(a)
     for a in decode:
         router.add_decode(a)
-    servicer = GatewayServicer(processor, spec, cfg, router)
+    servicer = GatewayServicer(processor, spec, cfg.gateway(), router)
     names = [_service_name(generate_pb2, "Generation"), _service_name(admin_pb2, "Admin")]
     token = cfg.security.api_token
     server = Server(

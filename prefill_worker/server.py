@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from vlkv.common import logs
-from vlkv.common.config import ServerConfig
+from vlkv.common.config import PrefillConfig
 from vlkv.common.errors import Refusal, VlkvError
 from vlkv.common.grpc_server import abort_on_error, make_channel
 from vlkv.common.handoff.grpc_transport import GrpcKVSender
@@ -41,7 +41,7 @@ async def _delayed(chunks, delay_s: float):
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, model, spec: ModelSpec, cfg: ServerConfig) -> None:
+    def __init__(self, model, spec: ModelSpec, cfg: PrefillConfig) -> None:
         self.cfg = cfg
         self.spec = spec
         self.engine = PrefillEngine(model, spec)

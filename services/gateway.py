@@ -19,7 +19,7 @@ import uuid
 
 import grpc
 from vlkv.common import logs
-from vlkv.common.config import ServerConfig
+from vlkv.common.config import GatewayConfig
 from vlkv.common.errors import InvalidInput, Refusal, VlkvError, refusal_of
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.model.spec import ModelSpec
@@ -34,7 +34,7 @@ HAND_OFF_ATTEMPTS = 2  # a decode worker that refuses a cache for room gets one 
 
 
 class GatewayServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, processor, spec: ModelSpec, cfg: ServerConfig, router: Router) -> None:
+    def __init__(self, processor, spec: ModelSpec, cfg: GatewayConfig, router: Router) -> None:
         self.processor = processor
         self.spec = spec
         self.cfg = cfg
@@ -108,10 +108,10 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         layer_tokens = req.compression.layer_tokens_estimate(req.m, self.spec.num_layers)
         sampling = req.sampling
         prefill_req = to_prefill_proto(req, decode_address="")  # serialized once, re-addressed per attempt
-        pool = self.cfg.pool
+        queue = self.cfg.queue
         for attempt in range(HAND_OFF_ATTEMPTS):
             slot = await self.router.pick_decode(
-                layer_tokens, sampling.max_new_tokens, pool.admit_wait_s, pool.max_waiting
+                layer_tokens, sampling.max_new_tokens, queue.admit_wait_s, queue.max_waiting
             )
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique

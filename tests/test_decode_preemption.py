@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 import torch
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
 from vlkv.common.handoff.wire import KVWireError
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
@@ -36,9 +36,10 @@ def _req(i: int):
     )
 
 
-def _cluster(model_dir: str, **pool) -> InProcCluster:
+def _cluster(model_dir: str, max_waiting: int = 256, **pool) -> InProcCluster:
     cfg = PoolConfig(pool_bytes=POOL_BLOCKS * BLOCK_BYTES, block_size=4, **pool)
-    c = InProcCluster(ServerConfig(model=ModelConfig(path=model_dir), pool=cfg))
+    queue = QueueConfig(max_waiting=max_waiting)
+    c = InProcCluster(ServerConfig(model=ModelConfig(path=model_dir), pool=cfg, queue=queue))
     assert c.pool.num_blocks == POOL_BLOCKS and c.decode.servicer.kv_cache.block_bytes == BLOCK_BYTES
     return c
 

@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.services.router import DecodeSlot
 from vlkv.tools.client import build_request, generate
@@ -23,7 +23,8 @@ from tests.test_e2e_equality import random_png
 def cluster(tiny_model_dirs):
     cfg = ServerConfig(
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
-        pool=PoolConfig(pool_bytes=1 << 20, cache_wait_ms=600_000, admit_wait_s=2.0),
+        pool=PoolConfig(pool_bytes=1 << 20, cache_wait_ms=600_000),
+        queue=QueueConfig(admit_wait_s=2.0),
     )
     c = InProcCluster(cfg)
     c.second = c.run(start_decode_worker(cfg, model=c.model, tokenizer=c.processor.tokenizer))

@@ -11,7 +11,14 @@ import signal
 import sys
 from pathlib import Path
 
-from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, SecurityConfig, ServerConfig
+from vlkv.common.config import (
+    DEFAULT_MODEL_DIR,
+    ModelConfig,
+    PoolConfig,
+    QueueConfig,
+    SecurityConfig,
+    ServerConfig,
+)
 
 POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv, random, full"
 
@@ -32,8 +39,8 @@ def _server_config(args) -> ServerConfig:
             max_batch=args.max_batch,
             admission=args.admission,
             swap_bytes=int(args.swap_mb * (1 << 20)),
-            max_waiting=args.max_waiting,
         ),
+        queue=QueueConfig(max_waiting=args.max_waiting),
         host=args.host,
     )
 

@@ -145,7 +145,8 @@ class DecodeCore:
         return out
 
     def step(self) -> StepResult:
-        """schedule -> forward -> postprocess; an empty result when nothing can run."""
+        """schedule -> forward -> postprocess. Empty while ``has_work`` only when a preempted sequence waits
+        for blocks held outside the core (caches allocated but not yet added)."""
         plan = self.schedule()
         result = StepResult(failed=plan.failed)
         if plan.running:

@@ -20,13 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 from vlkv.common.errors import VlkvError
 from vlkv.decode_worker.block_manager import BlockManager
 from vlkv.decode_worker.core import DecodeCore, DecodeSequence
 from vlkv.decode_worker.detokenizer import IncrementalText
-from vlkv.decode_worker.kv_cache import KVCache
-from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.decode_worker.scheduler import Scheduler
 from vlkv.v1 import generate_pb2
 
@@ -48,16 +45,9 @@ class Sequence(DecodeSequence):
 
 
 class DecodeEngine:
-    def __init__(
-        self,
-        runner: ModelRunner | None,
-        blocks: BlockManager,
-        cache: KVCache,
-        max_batch: int,
-        swap_bytes: int = 0,
-        swap_device: str | torch.device = "cpu",
-    ) -> None:
-        self.core = DecodeCore(runner, blocks, cache, max_batch, swap_bytes, swap_device)
+    def __init__(self, core: DecodeCore) -> None:
+        """``core``: the synchronous scheduler + model step this loop drives (``DecodeCore``)."""
+        self.core = core
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-decode")
         self._task: asyncio.Task | None = None

@@ -26,6 +26,7 @@ from vlkv.common.handoff.wire import KVWireError
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.block_manager import AdmissionPolicy, AdmissionRefusal, BlockManager, RefusalKind
+from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
 from vlkv.decode_worker.kv_cache import KVCache
@@ -56,9 +57,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         policy = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, num_blocks)
         self.pool = BlockManager(num_blocks, cfg.pool.block_size, policy)  # block accounting, admission
         swap = cfg.pool.swap_bytes or cfg.pool.pool_bytes
-        self.engine = DecodeEngine(
-            ModelRunner(model, self.kv_cache), self.pool, self.kv_cache, cfg.pool.max_batch, swap
-        )
+        runner = ModelRunner(model, self.kv_cache)
+        self.engine = DecodeEngine(DecodeCore(runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap))
         self.address = ""
         self.draining = False
         self._arrived: dict[str, tuple[Sequence, asyncio.TimerHandle]] = {}

@@ -58,20 +58,32 @@ class Running:
             await close()
 
 
-async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
-    tune_malloc()  # MiB-sized KV chunk buffers stay on the heap (see transport.tune_malloc)
+def _load_worker(cfg: ServerConfig, model, tokenizer):
+    """The model (loaded unless given), its tokenizer and its ModelSpec, once per worker process."""
+    tune_malloc()  # MiB-sized KV chunk buffers stay on the heap (see grpc_transport.tune_malloc)
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
-    processor = processor if processor is not None else load_processor(cfg.model.path)
-    servicer = PrefillServicer(model, ModelSpec.from_model(model, processor.tokenizer), cfg.prefill())
-    server = Server(
+    tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
+    return model, tokenizer, ModelSpec.from_model(model, tokenizer)
+
+
+def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
+    """An internal server: TLS as configured, and pings answered (the gateway and prefill workers keep
+    their connections here alive)."""
+    return Server(
         cfg.host,
         port,
-        [_service_name(worker_pb2, "PrefillWorker")],
+        [_service_name(worker_pb2, service)],
         cfg.limits.max_message_bytes,
         credentials=cfg.security.server_credentials(internal=True),
-        accept_pings=True,  # the gateway and prefill workers keep their connections here alive
+        accept_pings=True,
     )
+
+
+async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
+    model, _, spec = _load_worker(cfg, model, processor.tokenizer if processor is not None else None)
+    servicer = PrefillServicer(model, spec, cfg.prefill())
+    server = _worker_server(cfg, port, "PrefillWorker")
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address
     await server.start()
@@ -80,19 +92,9 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
 
 
 async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, tokenizer=None) -> Running:
-    tune_malloc()
-    torch.set_num_threads(cfg.model.torch_threads)
-    model = model if model is not None else load_model(cfg.model)
-    tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
-    servicer = DecodeServicer(model, tokenizer, ModelSpec.from_model(model, tokenizer), cfg.decode())
-    server = Server(
-        cfg.host,
-        port,
-        [_service_name(worker_pb2, "DecodeWorker")],
-        cfg.limits.max_message_bytes,
-        credentials=cfg.security.server_credentials(internal=True),
-        accept_pings=True,  # the gateway and prefill workers keep their connections here alive
-    )
+    model, tokenizer, spec = _load_worker(cfg, model, tokenizer)
+    servicer = DecodeServicer(model, tokenizer, spec, cfg.decode())
+    server = _worker_server(cfg, port, "DecodeWorker")
     add_decode_servicer(servicer, server.server)  # TransferKV on raw bytes: the zero-copy path
     servicer.address = server.address
     await servicer.start()

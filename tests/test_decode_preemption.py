@@ -15,6 +15,7 @@ from vlkv.common.handoff.wire import KVWireError
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import BlockManager
+from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.detokenizer import IncrementalText
 from vlkv.decode_worker.engine import DecodeEngine, Sequence
 from vlkv.decode_worker.kv_cache import KVCache
@@ -90,7 +91,9 @@ def _load(c: InProcCluster) -> worker_pb2.WorkerLoad:
 def _engine_run(model, tokenizer, pool_blocks: int, swap_bytes: int, n_seqs: int = 4) -> tuple[dict, object]:
     """Submit ``n_seqs`` random full caches (27 tokens per layer) at once and decode them greedily."""
     pool, cache = BlockManager(pool_blocks, 4), KVCache(pool_blocks, 4, num_kv_heads=2, head_dim=16)
-    engine = DecodeEngine(ModelRunner(model, cache), pool, cache, max_batch=8, swap_bytes=swap_bytes)
+    engine = DecodeEngine(
+        DecodeCore(ModelRunner(model, cache), pool, cache, max_batch=8, swap_bytes=swap_bytes)
+    )
     g = torch.Generator().manual_seed(0)
 
     async def main():

@@ -115,7 +115,7 @@ class QueueConfig:
 class TransferConfig:
     """How compact caches travel from prefill to decode."""
 
-    chunk_bytes: int = 4 << 20  # kv_wire.DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = 4 << 20  # handoff.wire.DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0  # of one TransferKV call; the gateway allows 2x for a Prefill, 3x for the cache
     # Fault injection, for tests only (no CLI flag; keep 0): the prefill worker pauses this long before each
     # KV chunk after the header, so a test can kill or stop a process while a hand-off is in flight.
@@ -179,7 +179,7 @@ class ServerConfig:
         _check(self.grace_s >= 0, "grace_s must be >= 0")
         _check(self.keepalive_s == 0 or self.keepalive_s >= 0.5, "keepalive_s must be 0 (off) or >= 0.5")
         self.security.check_exposure(self.host)
-        _check(  # one KV chunk plus its framing (transport.MESSAGE_OVERHEAD_BYTES) fits in a message
+        _check(  # one KV chunk plus its framing (grpc_transport.MESSAGE_OVERHEAD_BYTES) fits in a message
             self.transfer.chunk_bytes + (1 << 17) <= self.limits.max_message_bytes,
             "transfer.chunk_bytes + 128 KiB must be <= limits.max_message_bytes",
         )

@@ -15,8 +15,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.common.compression.settings import DEFAULT_BUDGET, DEFAULT_THRESHOLD, CompressionSettings
+from vlkv.common.compression.registry import (
+    DEFAULT_BUDGET,
+    DEFAULT_POLICY,
+    DEFAULT_THRESHOLD,
+    CompressionSettings,
+)
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
 from vlkv.common.model.inputs import ModalityMap, decode_images, prepare_inputs

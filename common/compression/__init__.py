@@ -25,8 +25,14 @@ from .budgets import (
     sparsity_budgets,
     uniform_budgets,
 )
-from .registry import DEFAULT_POLICY, POLICY_NAMES, get_policy
-from .settings import DEFAULT_BUDGET, DEFAULT_THRESHOLD, CompressionSettings
+from .registry import (
+    DEFAULT_BUDGET,
+    DEFAULT_POLICY,
+    DEFAULT_THRESHOLD,
+    POLICY_NAMES,
+    CompressionSettings,
+    get_policy,
+)
 from .stats import AttentionStatsLike, group_sum, head_sparsity, layer_sparsity
 
 __all__ = [

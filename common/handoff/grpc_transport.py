@@ -1,9 +1,10 @@
 """How a compact cache travels: a sender interface and its gRPC streaming implementation.
 
-``KVSender.send(header, layers)`` takes the header chunk (from ``kv_wire.encode_header``) and an
+``KVSender.send(header, layers)`` takes the header chunk (from ``wire.encode_header``) and an
 iterable of per-layer ``(K, V)`` that may still be producing later layers while earlier ones are on the
 wire. Two implementations: ``GrpcKVSender`` below (across nodes, client-streaming ``TransferKV``) and
-``transport_torch_dist.TorchDistKVSender`` (NCCL/gloo point-to-point on one node).
+``torch_dist.TorchDistKVSender`` (NCCL/gloo point-to-point on one node; tested, but no worker
+constructs it yet: the NIXL issue gives the hand-off its one sender/receiver seam).
 
 gRPC flow control: grpc.aio writes one message at a time and ``await``s each write until HTTP/2 flow
 control admits it, so a slow decode worker slows the sender; nothing is buffered without bound.

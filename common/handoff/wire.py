@@ -4,14 +4,14 @@ Sender: ``encode_compact_kv`` (or ``encode_header`` + ``encode_stream`` when lay
 one) yields ``KVChunk`` messages lazily, so layer l is on the wire while layer l+1 is being produced.
 Bytes are taken straight from tensor memory (a uint8 view; bf16 has no numpy dtype) in little-endian
 host order; the only copy is the one protobuf makes into its ``bytes`` field (``wire=True`` streams
-skip protobuf: ``kv_wire_codec`` serializes each chunk with one copy).
+skip protobuf: ``codec`` serializes each chunk with one copy).
 
 Format version 1 (``FORMAT_VERSION``; a receiver refuses any other with INVALID_ARGUMENT): the messages
 of ``protos/vlkv/v1/kv.proto``, each data chunk checksummed with CRC-32C (``KVData.crc32c``,
 hardware-accelerated through ``google_crc32c``). Development builds before any deployment used zlib's
 CRC-32 under the same version number; no deployed peer speaks that.
 
-Receiver: ``KVAssembler`` (in ``kv_assembler``) validates and rebuilds a ``CompactKV``. Status codes:
+Receiver: ``KVAssembler`` (in ``assembler``) validates and rebuilds a ``CompactKV``. Status codes:
 protocol violations (bad order, bad header, unknown layer, offset gaps/overlaps) are INVALID_ARGUMENT;
 evidence of corruption or loss (CRC mismatch, trailer totals disagree, stream ends early, bytes
 missing) is DATA_LOSS; a sane cache built for another model/layout/dtype is FAILED_PRECONDITION.
@@ -30,7 +30,7 @@ from vlkv.v1 import generate_pb2, kv_pb2
 FORMAT_VERSION = 1  # see the module docstring; bump on any incompatible change
 # 4 MiB: fewer messages (gRPC's per-message cost) and, for a 7B-shaped cache at 2K tokens, every
 # per-layer K or V (H_kv * k_l * D * 2 bytes <= 4 MiB) travels whole, which the receiver keeps as a
-# view of the message instead of copying (see ``kv_assembler``).
+# view of the message instead of copying (see ``assembler``).
 DEFAULT_CHUNK_BYTES = 4 << 20
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -120,7 +120,7 @@ def encode_layer(
 def encode_layer_wire(
     layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[bytes]:
-    """``encode_layer`` already serialized, copying each piece once (see ``kv_wire_codec``)."""
+    """``encode_layer`` already serialized, copying each piece once (see ``codec``)."""
     for kind, off, piece in _pieces(k, v, chunk_bytes):
         yield encode_data_wire(layer_idx, kind, off, piece)
 

@@ -501,11 +501,11 @@ def probe_capacity(gateway: str, reqs: list, wl: Workloads, label: str, limit: i
 
 
 def hf_capacity(model: Path, kv_mb: float, prompt_tokens: float, max_new: int) -> int:
-    from transformers import AutoConfig
+    import torch
+    from vlkv.common.model.spec import ModelSpec
 
-    text = AutoConfig.from_pretrained(str(model)).text_config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    per_token = 2 * text.num_key_value_heads * head_dim * 4 * text.num_hidden_layers  # fp32 K and V
+    spec = ModelSpec.from_checkpoint(str(model), torch.float32)  # fp32 K and V
+    per_token = spec.bytes_per_token_layer * spec.num_layers
     return int(kv_mb * (1 << 20) // ((prompt_tokens + max_new) * per_token))
 
 
@@ -692,15 +692,10 @@ def run_bench(args) -> int:
 
 
 def _image_token(model: Path) -> int:
-    from transformers import AutoConfig
+    import torch
+    from vlkv.common.model.spec import ModelSpec
 
-    return int(AutoConfig.from_pretrained(str(model)).image_token_id)
-
-
-def result_dict(res: Results) -> dict:
-    from dataclasses import asdict
-
-    return asdict(res)
+    return ModelSpec.from_checkpoint(str(model), torch.float32).image_token_id
 
 
 __all__ = ["run_bench", "Plan", "Results", "SYSTEMS", "COLORS", "generate_pb2"]

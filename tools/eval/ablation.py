@@ -19,6 +19,7 @@ import torch
 from vlkv.common.compression.registry import get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.inputs import prepare_inputs
+from vlkv.common.model.spec import ModelSpec
 from vlkv.tools.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches
 from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import GRID, SHAPES, TOKENS_PER_IMAGE, is_correct, prompt_text
@@ -128,7 +129,7 @@ def _fmt(xs, nd=2) -> str:
 
 
 def run_ablation(args, model, processor, prepared, full_accuracy: float, start: float) -> int:
-    image_token_id = int(model.config.image_token_id)
+    image_token_id = ModelSpec.from_config(model.config, model.dtype, ()).image_token_id
     num_layers = len(prepared[0].keys)
     n = len(prepared)
     pos = [Positions(p, processor, image_token_id) for p in prepared]

@@ -41,7 +41,6 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
@@ -281,14 +280,6 @@ def make_example(
     rng = _rng(split, seed, index)
     k = rng.choices(KINDS, weights=weights or KIND_WEIGHTS)[0]
     return _example(rng, kind or k)
-
-
-def iter_examples(seed: int = 0, split: str = "train", start: int = 0) -> Iterator[Example]:
-    """Endless deterministic stream of examples (training draws from this)."""
-    i = start
-    while True:
-        yield make_example(i, seed, split)
-        i += 1
 
 
 def make_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:

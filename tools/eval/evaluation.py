@@ -1,9 +1,10 @@
 """Accuracy of the compression path on the default model's held-out split (``vlkv eval``).
 
-Each example is prefilled once with the real model (the vlkv attention function records every layer's
-post-RoPE Q and K on the way); each (policy, budget) then computes its own statistics from those with the
-attention-statistics kernel, compresses the cache exactly as the prefill worker does, and decodes all
-examples as one batch through the decode worker's paged pool and model runner. The answer's deciding word
+Each example is prefilled once by the prefill worker's forward (``PrefillEngine.forward``, whose observer
+records every layer's post-RoPE Q and K on the way); each (policy, budget) then computes its own statistics
+from those with the attention-statistics kernel, compresses the cache exactly as the prefill worker does,
+and decodes all examples as one batch through the in-process engine (``deploy/inprocess.py``: the decode
+worker's paged pool and decode core). The answer's deciding word
 comes several tokens after the first, so it is read from decode steps over the compressed cache.
 
 It also measures CacheHitRate (paper section 3.2): per layer, the share of the true top-k tokens of the
@@ -17,16 +18,21 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from vlkv.common.compression.registry import get_policy
+from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.inputs import prepare_inputs
-from vlkv.decode_worker.block_manager import BlockManager, blocks_needed
-from vlkv.decode_worker.kv_cache import KVCache
-from vlkv.decode_worker.model_runner import ModelRunner, StepInput
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import PreparedRequest
+from vlkv.common.sampling import SamplingConfig
+from vlkv.decode_worker.block_manager import blocks_needed
+from vlkv.decode_worker.kv_cache import block_bytes_of
+from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import Example, is_correct, prompt_text
+
+BLOCK_SIZE = 16
 
 
 class _Recorder:
@@ -70,43 +76,52 @@ class Prepared:
 
 @torch.inference_mode()
 def prepare(model, processor, examples: list[Example], progress: bool = True) -> list[Prepared]:
-    use_vlkv_attention(model)
-    image_token_id = int(model.config.image_token_id)
-    num_layers = int(model.config.text_config.num_hidden_layers)
+    """Prefill every example once with the prefill worker's forward, recording every layer's Q and K."""
+    spec = ModelSpec.from_model(model, processor.tokenizer)
+    engine = PrefillEngine(model, spec)
     out = []
-    for ex in track(examples, desc="prefill", unit="example", disable=not progress):
-        inputs = prepare_inputs(processor, ex.images, prompt_text(processor, ex), image_token_id)
-        rec = _Recorder()
-        cache = DynamicCache(config=model.config.text_config)
-        logits = model(
-            input_ids=inputs.input_ids,
-            past_key_values=cache,
-            use_cache=True,
-            vlkv_stats=rec,
-            **inputs.model_kwargs,
-        ).logits
-        first = int(logits[0, -1].argmax())
-        q = [rec.q[layer] for layer in range(num_layers)]
-        keys = [cache.layers[layer].keys[0].clone() for layer in range(num_layers)]
-        values = [cache.layers[layer].values[0].clone() for layer in range(num_layers)]
-        # one dense decode step with the first token: its attention over the m prompt tokens
-        step = _Recorder()
-        m = inputs.modality.m
-        model(
-            input_ids=torch.tensor([[first]]),
-            past_key_values=cache,
-            use_cache=True,
-            position_ids=torch.tensor([[m]]),
-            vlkv_stats=step,
+    for i, ex in enumerate(track(examples, desc="prefill", unit="example", disable=not progress)):
+        inputs = prepare_inputs(processor, ex.images, prompt_text(processor, ex), spec.image_token_id)
+        tensors = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
+        req = PreparedRequest(
+            f"eval-{i}",
+            inputs.input_ids,
+            tensors,
+            inputs.modality,
+            SamplingConfig(),
+            CompressionSettings("full"),
         )
-        nxt = []
-        for layer in range(num_layers):
-            qn, kn = step.q[layer], step.k[layer]  # [H, 1, D], [H_kv, m + 1, D]
-            group = qn.shape[0] // kn.shape[0]
-            scores = torch.einsum("hd,hnd->hn", qn[:, 0].float(), kn.repeat_interleave(group, 0).float())
-            nxt.append(torch.softmax(scores * step.scale, dim=-1)[:, :m])
+        rec = _Recorder()
+        logits, keys, values = engine.forward(req, observer=rec)
+        first = int(logits.argmax())
+        q = [rec.q[layer] for layer in range(spec.num_layers)]
+        m = inputs.modality.m
+        nxt = _next_attention(model, keys, values, first, m)
         out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale))
     return out
+
+
+def _next_attention(model, keys: list, values: list, first: int, m: int) -> list[torch.Tensor]:
+    """One dense decode step with the first token over the full cache: per layer its attention ``[H, m]``
+    over the m prompt tokens (the truth CacheHitRate ranks against; a lab diagnostic, not served)."""
+    cache = DynamicCache(config=model.config.text_config)
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k[None], v[None], layer)
+    step = _Recorder()
+    model(
+        input_ids=torch.tensor([[first]], device=keys[0].device),
+        past_key_values=cache,
+        use_cache=True,
+        position_ids=torch.tensor([[m]], device=keys[0].device),
+        vlkv_stats=step,
+    )
+    nxt = []
+    for layer in range(len(keys)):
+        qn, kn = step.q[layer], step.k[layer]  # [H, 1, D], [H_kv, m + 1, D]
+        group = qn.shape[0] // kn.shape[0]
+        scores = torch.einsum("hd,hnd->hn", qn[:, 0].float(), kn.repeat_interleave(group, 0).float())
+        nxt.append(torch.softmax(scores * step.scale, dim=-1)[:, :m])
+    return nxt
 
 
 def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:
@@ -118,33 +133,19 @@ def compress(prep: Prepared, policy_name: str, budget: float, threshold: float =
     )
 
 
-@torch.inference_mode()
 def decode_batch(model, caches: list[CompactKV], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
-    """Greedy decode of all caches together through the paged pool and the model runner."""
+    """Greedy decode of all caches together as one batch through the in-process engine's paged pool and
+    decode core; per cache the prefill's token and up to ``max_new_tokens - 1`` more, ending at an EOS."""
     c0 = caches[0]
-    block = 16
-    need = sum(blocks_needed(c.layer_lengths, max_new_tokens, block) for c in caches)
-    pool = BlockManager(need, block)
-    cache = KVCache(need, block, c0.num_kv_heads, c0.head_dim, c0.dtype)
-    runner = ModelRunner(model, cache)
-    seqs = []
-    for c in caches:
-        blocks = pool.allocate(c.layer_lengths, max_new_tokens)
-        for layer, table in enumerate(blocks.tables):
-            cache.write(table, c.keys[layer], c.values[layer])
-        seqs.append(
-            {"blocks": blocks, "lengths": list(c.layer_lengths), "m": c.prompt_length, "out": [c.first_token]}
-        )
-    for step in range(max_new_tokens - 1):
-        live = [s for s in seqs if s["out"][-1] not in eos]
-        if not live:
-            break
-        inputs = [StepInput(s["out"][-1], s["m"] + step, s["blocks"].tables, s["lengths"]) for s in live]
-        logits = runner.step(inputs)
-        for s, row in zip(live, logits, strict=True):
-            s["out"].append(int(row.argmax()))
-            s["lengths"] = [n + 1 for n in s["lengths"]]
-    return [s["out"] for s in seqs]
+    need = sum(blocks_needed(c.layer_lengths, max_new_tokens, BLOCK_SIZE) for c in caches)
+    engine = InProcessEngine(
+        model,
+        pool_bytes=need * block_bytes_of(BLOCK_SIZE, c0.num_kv_heads, c0.head_dim, c0.dtype),
+        block_size=BLOCK_SIZE,
+        max_batch=len(caches),
+        admission="reserve",  # every cache and its new tokens fit at once: one batch, never preempted
+    )
+    return engine.decode_caches(caches, SamplingConfig(max_new_tokens=max_new_tokens), eos)
 
 
 def cache_hit_rate(

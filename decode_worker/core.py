@@ -16,7 +16,8 @@ directly::
         for seq, token in out.tokens:                    # token already appended to seq.generated
             if token in eos or len(seq.generated) >= seq.sampling.max_new_tokens:
                 core.release(seq)                        # leaves the batch, frees its blocks
-        # out.failed: preempted with no swap space left; they have left the core already
+        # out.failed: preempted with no swap space left; out.errors: (sequence, VlkvError) whose token
+        # could not be sampled (non-finite logits); both have left the core already
 
 A sequence's ``generated`` starts as ``[first_token]`` (the prefill's token); each step feeds
 ``generated[-1]`` at position ``prompt_length + len(generated) - 1`` and appends the sampled token. The
@@ -30,7 +31,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import grpc
 import torch
+from vlkv.common.errors import VlkvError
 from vlkv.common.sampling import SamplingConfig, make_generator, sample_token
 from vlkv.decode_worker.block_manager import BlockManager, SequenceBlocks
 from vlkv.decode_worker.kv_cache import KVCache
@@ -64,6 +67,8 @@ class DecodeSequence:
 class StepResult:
     tokens: list[tuple[DecodeSequence, int]] = field(default_factory=list)  # one per stepped sequence
     failed: list[DecodeSequence] = field(default_factory=list)  # preempted, no swap space: gone
+    # sequences whose token could not be sampled (non-finite logits, a sampling error): gone, with why
+    errors: list[tuple[DecodeSequence, VlkvError]] = field(default_factory=list)
 
 
 class DecodeCore:
@@ -129,19 +134,25 @@ class DecodeCore:
         ]
         return self.runner.step(inputs)
 
-    def postprocess(
-        self, batch: list[DecodeSequence], logits: torch.Tensor
-    ) -> list[tuple[DecodeSequence, int]]:
-        """Grow every stepped sequence by its token; sample for all but the cancelled, which leave now."""
-        out = []
+    def postprocess(self, batch: list[DecodeSequence], logits: torch.Tensor) -> StepResult:
+        """Grow every stepped sequence by its token; sample for all but the cancelled, which leave now.
+
+        A sequence whose token cannot be sampled (its logits are NaN or inf, or sampling raised) leaves
+        too, in ``errors`` with the reason; the rest of the batch goes on."""
+        out = StepResult()
         for i, s in enumerate(batch):
             s.lengths = [n + 1 for n in s.lengths]
             if s.cancelled:
                 self.release(s)
                 continue
-            token = sample_token(logits[i], s.sampling, s.generator)
+            try:
+                token = sample_token(logits[i], s.sampling, s.generator)
+            except Exception as exc:  # noqa: BLE001 - one sequence's fault fails that sequence alone
+                out.errors.append((s, _sampling_error(s, exc)))
+                self.release(s)
+                continue
             s.generated.append(token)
-            out.append((s, token))
+            out.tokens.append((s, token))
         return out
 
     def step(self) -> StepResult:
@@ -150,5 +161,16 @@ class DecodeCore:
         plan = self.schedule()
         result = StepResult(failed=plan.failed)
         if plan.running:
-            result.tokens = self.postprocess(plan.running, self.forward(plan.running))
+            result = self.postprocess(plan.running, self.forward(plan.running))
+            result.failed = plan.failed
         return result
+
+
+def _sampling_error(seq: DecodeSequence, exc: Exception) -> VlkvError:
+    """Why ``seq`` got no token, as the status its request ends with (INTERNAL unless the error says)."""
+    step = len(seq.generated)
+    if isinstance(exc, VlkvError):
+        log.warning("request %s: no token at step %d: %s", seq.request_id, step, exc)
+        return VlkvError(f"decoding failed at token {step}: {exc.message}", exc.code)
+    log.exception("request %s: sampling failed at step %d", seq.request_id, step, exc_info=exc)
+    return VlkvError(f"decoding failed at token {step}: sampling raised {exc!r}", grpc.StatusCode.INTERNAL)

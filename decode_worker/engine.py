@@ -10,12 +10,17 @@ leave and free their blocks at once.
 Lifecycle: ``start()`` on the server's loop; ``submit(seq)`` once a sequence's cache is in the pool and a
 ``Decode`` call claims it (its prefill token is streamed at once); ``cancel(seq)`` when the client goes;
 ``notify()`` when blocks were freed outside the loop; ``stop()`` ends every sequence and the loop.
+
+Faults: a failed model step fails its batch; a sequence whose token cannot be sampled (non-finite logits)
+or streamed fails alone. Should the loop itself ever die, every sequence ends with UNAVAILABLE and
+``on_death`` is called (the worker turns NOT_SERVING and exits: a dead loop must not look like a worker).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,9 +50,12 @@ class Sequence(DecodeSequence):
 
 
 class DecodeEngine:
-    def __init__(self, core: DecodeCore) -> None:
-        """``core``: the synchronous scheduler + model step this loop drives (``DecodeCore``)."""
+    def __init__(self, core: DecodeCore, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """``core``: the synchronous scheduler + model step this loop drives (``DecodeCore``);
+        ``on_death(exc)``: called on the loop if the loop task ever ends with an exception."""
         self.core = core
+        self.on_death = on_death
+        self.dead: BaseException | None = None  # why the loop died, once it has
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-decode")
         self._task: asyncio.Task | None = None
@@ -55,9 +63,10 @@ class DecodeEngine:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._task.add_done_callback(self._loop_ended)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None and not self._task.done():  # a dead loop's exception was logged
             self._task.cancel()
             try:
                 await self._task
@@ -99,6 +108,10 @@ class DecodeEngine:
 
     def submit(self, seq: Sequence) -> None:
         """Start a sequence whose cache is in the pool: stream the prefill's token, then queue it."""
+        if self.dead is not None:
+            self._finish(seq, error=self.dead_error())
+            self.core.release(seq)
+            return
         self._emit_token(seq, seq.first_token)
         if seq.done:
             self.core.release(seq)
@@ -173,8 +186,42 @@ class DecodeEngine:
                 continue
             finally:
                 self._stepping = set()
-            for seq, token in self.core.postprocess(batch, logits):
-                self._emit_token(seq, token)
+            result = self.core.postprocess(batch, logits)
+            for seq, error in result.errors:  # one sequence's fault: it alone ends (already released)
+                self._finish(seq, error=error)
+            for seq, token in result.tokens:
+                try:
+                    self._emit_token(seq, token)
+                except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this sequence alone fails
+                    log.exception("request %s: streaming token %d failed", seq.request_id, token)
+                    self._finish(seq, error=VlkvError(f"decoding failed: {exc!r}", grpc.StatusCode.INTERNAL))
                 if seq.done:
                     self.core.release(seq)
             await asyncio.sleep(0)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop task's done callback: anything but a cancellation (``stop``) is the engine's death.
+
+        Every sequence still here ends with UNAVAILABLE at once (clients do not wait for their deadline),
+        later ``submit`` calls fail the same way, and ``on_death`` (the worker: NOT_SERVING, then exit so
+        Ray and the autoscaler replace it) is told why."""
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError("the decode loop returned")
+        self.dead = exc
+        log.critical("decode engine loop died: %r", exc, exc_info=exc)
+        s = self.scheduler
+        for seq in list(s.running) + list(s.waiting) + list(s.swapped):
+            self._finish(seq, error=self.dead_error())
+            try:
+                self.core.release(seq)
+            except Exception:  # noqa: BLE001 - the pool may be what broke; the process exits anyway
+                log.exception("request %s: releasing after the engine died failed", seq.request_id)
+        if self.on_death is not None:
+            self.on_death(exc)
+
+    def dead_error(self) -> VlkvError:
+        return VlkvError(
+            f"the decode engine stopped ({self.dead!r}); this worker is shutting down, retry",
+            grpc.StatusCode.UNAVAILABLE,
+        )

@@ -5,6 +5,12 @@ through ``Decode`` (to the gateway); the two calls meet on the request id in eit
 reserved when the header arrives (after the fingerprint and layout checks), released on any transfer
 failure, and a cache that no ``Decode`` call claims within its lease is freed.
 
+Everything a header carries is checked against this model before a block is taken (sampling settings, a
+first token and EOS ids inside the vocabulary), and a cache holding NaN or inf is refused once it is whole:
+INVALID_ARGUMENT, so one bad sequence never reaches the batch it would break. Should the decode loop die,
+the worker fails its sequences with UNAVAILABLE, turns NOT_SERVING and exits (``exit_process``) to be
+replaced.
+
 ``TransferKV`` takes its messages as raw bytes (register the servicer with ``add_decode_servicer``, not
 the generated ``add_DecodeWorkerServicer_to_server``): ``KVAssembler.feed_wire`` reads data chunks
 zero-copy. The bytes are serialized ``KVChunk`` messages, so any sender works: the prefill worker's
@@ -15,11 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
+import torch
 from vlkv.common import logs
 from vlkv.common.config import DecodeConfig
-from vlkv.common.errors import Refusal, VlkvError, abort_with
+from vlkv.common.errors import InvalidInput, Refusal, VlkvError, abort_with
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.assembler import KVAssembler
 from vlkv.common.handoff.wire import KVWireError
@@ -33,7 +43,12 @@ from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
+if TYPE_CHECKING:
+    from grpc_health.v1._async import HealthServicer
+
 log = logging.getLogger(__name__)
+ENGINE_DIED_EXIT_CODE = 70  # EX_SOFTWARE: the decode loop died; the process exits to be replaced
+EXIT_GRACE_S = 0.5
 DRAIN_LIMIT_BYTES = 1 << 30  # what a refused sender may still stream before the refusal is sent anyway
 _REFUSALS = {  # the block manager's refusal kinds as the wire's machine-readable reasons
     RefusalKind.POOL_FULL: worker_pb2.REFUSAL_POOL_FULL,
@@ -42,8 +57,19 @@ _REFUSALS = {  # the block manager's refusal kinds as the wire's machine-readabl
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, model, tokenizer, spec: ModelSpec, cfg: DecodeConfig) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        spec: ModelSpec,
+        cfg: DecodeConfig,
+        exit_process: Callable[[int], object] = os._exit,
+    ) -> None:
+        """``exit_process(code)`` ends the process when the decode loop dies (tests pass a recorder);
+        ``health`` (set by whoever serves this servicer) is turned NOT_SERVING first."""
         self.cfg = cfg
+        self.exit_process = exit_process
+        self.health: HealthServicer | None = None
         self.spec = spec
         self.tokenizer = tokenizer
         self.decode_text = text_decoder(tokenizer)
@@ -58,13 +84,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.pool = BlockManager(num_blocks, cfg.pool.block_size, policy)  # block accounting, admission
         swap = cfg.pool.swap_bytes or cfg.pool.pool_bytes
         runner = ModelRunner(model, self.kv_cache)
-        self.engine = DecodeEngine(DecodeCore(runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap))
+        core = DecodeCore(runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap)
+        self.engine = DecodeEngine(core, on_death=self._engine_died)
         self.address = ""
         self.draining = False
         self._arrived: dict[str, tuple[Sequence, asyncio.TimerHandle]] = {}
         self._waiters: dict[str, asyncio.Future] = {}
         self._in_transfer: dict[str, KVAssembler] = {}  # request id -> the transfer that carries it
         self._superseded: set[KVAssembler] = set()
+        self._exiting: asyncio.Task | None = None  # NOT_SERVING, then exit, once the decode loop died
 
     async def start(self) -> None:
         self.engine.start()
@@ -74,8 +102,50 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._expire(rid)
         await self.engine.stop()
 
+    def _engine_died(self, exc: BaseException) -> None:
+        """The decode loop is gone: take no more work, report NOT_SERVING, then exit the process so Ray
+        and the autoscaler replace this worker (a live server with a dead loop would hang every call)."""
+        log.critical("decode worker %s: the decode loop died (%r); NOT_SERVING, exiting", self.address, exc)
+        self.draining = True
+        for rid in list(self._arrived):
+            self._expire(rid)
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(self.engine.dead_error())
+        self._exiting = asyncio.get_running_loop().create_task(self._exit_after_death())
+
+    async def _exit_after_death(self) -> None:
+        try:
+            if self.health is not None:
+                await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+            await asyncio.sleep(EXIT_GRACE_S)  # the failed streams' statuses reach their callers
+        finally:
+            self.exit_process(ENGINE_DIED_EXIT_CODE)
+
     # -- hand-off ------------------------------------------------------------------------------------
+    def _check_header(self, header: kv_pb2.KVHeader) -> None:
+        """What a header carries beyond the layout, checked against this model before any block is taken:
+        the sampling settings, the first token and the EOS ids (all inside the vocabulary)."""
+        try:
+            sampling_from_proto(header.sampling, self.cfg.limits)
+        except InvalidInput as exc:
+            raise KVWireError(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV header: {exc.message}") from None
+        vocab = self.spec.vocab_size
+        if vocab and header.first_token_id >= vocab:
+            raise KVWireError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad KV header: first_token_id {header.first_token_id} is outside the vocabulary of {vocab}",
+            )
+        if vocab and any(t >= vocab for t in header.eos_token_ids):
+            raise KVWireError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad KV header: an eos_token_id is outside the vocabulary of {vocab}",
+            )
+
     def _allocate(self, header: kv_pb2.KVHeader):
+        if self.engine.dead is not None:
+            raise KVWireError(grpc.StatusCode.UNAVAILABLE, "this decode worker is shutting down")
+        self._check_header(header)
         if header.request_id in self._arrived:
             raise KVWireError(
                 grpc.StatusCode.ALREADY_EXISTS, f"a cache for {header.request_id!r} is already here"
@@ -110,6 +180,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     logs.request_id.set(rid)
                     self._in_transfer[rid] = assembler
             header, ckv = assembler.finish()
+            bad = _non_finite(ckv)
+            if bad:
+                self.pool.free(assembler.handle)
+                raise KVWireError(grpc.StatusCode.INVALID_ARGUMENT, f"the cache holds NaN or inf in {bad}")
             if assembler in self._superseded:
                 self.pool.free(assembler.handle)
                 raise KVWireError(
@@ -249,6 +323,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             swapped=self.engine.num_swapped,
             preemptions=self.engine.preemptions,
         )
+
+
+def _non_finite(ckv) -> str:
+    """Where a received cache holds NaN or inf (``"layer L keys"``), or ``""``: one float64 sum per tensor
+    (exact enough that only a NaN or inf makes it non-finite), no copy."""
+    for layer, (k, v) in enumerate(zip(ckv.keys, ckv.values, strict=True)):
+        for name, t in (("keys", k), ("values", v)):
+            if t.numel() and not torch.isfinite(t.sum(dtype=torch.float64)):
+                return f"layer {layer} {name}"
+    return ""
 
 
 async def _drain(requests, limit: int) -> None:

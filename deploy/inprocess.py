@@ -246,6 +246,8 @@ class InProcessEngine:
                 out = self.core.step()
                 if out.failed:
                     raise ResourceExhausted("the in-process pool ran out of KV memory and swap space")
+                if out.errors:  # a sequence whose token could not be sampled has left the core
+                    raise out.errors[0][1]
                 for seq, token in out.tokens:
                     if by_seq[id(seq)].emit(token):
                         self.core.release(seq)

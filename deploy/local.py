@@ -15,7 +15,9 @@ import ray
 from vlkv.common.config import ServerConfig
 from vlkv.deploy.actors import DecodeActor, PrefillActor
 from vlkv.deploy.autoscaler import Autoscaler, PoolSpec, Replica
-from vlkv.deploy.servers import Running, start_gateway
+from vlkv.deploy.servers import Running, start_gateway, start_http_front
+from vlkv.services.http_front import HttpFrontConfig
+from vlkv.services.http_server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class LocalCluster:
         decode: PoolSpec | None = None,
         gateway_port: int = 0,
         metrics_port: int | None = None,
+        http_port: int | None = None,
+        http_front: HttpFrontConfig | None = None,
         ray_address: str | None = None,
         interval_s: float = 1.0,
         downscale_delay_s: float = 10.0,
@@ -48,6 +52,9 @@ class LocalCluster:
         self.specs = {"prefill": prefill or PoolSpec(), "decode": decode or PoolSpec()}
         self.gateway_port = gateway_port
         self.metrics_port = metrics_port
+        self.http_port = http_port  # the OpenAI-compatible HTTP front (None: off)
+        self.http_front = http_front
+        self.http: HttpServer | None = None
         self.ray_address = ray_address
         self.interval_s = interval_s
         self.downscale_delay_s = downscale_delay_s
@@ -94,6 +101,8 @@ class LocalCluster:
             replicas=started,
         )
         self.gateway.attach_admin(self.autoscaler)
+        if self.http_port is not None:
+            self.http = await start_http_front(self.gateway, self.http_port, self.cfg, self.http_front)
         self.autoscaler.start()
         if self.metrics_port is not None:
             from vlkv.services.metrics import serve_metrics
@@ -112,6 +121,9 @@ class LocalCluster:
     async def stop(self) -> None:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         if self.gateway is not None:
             await self.gateway.stop()
             self.gateway = None

@@ -8,7 +8,8 @@ a handle whose ``address`` is what peers dial.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from vlkv.common.config import ServerConfig
@@ -21,6 +22,8 @@ from vlkv.decode_worker.server import DecodeServicer, add_decode_servicer
 from vlkv.prefill_worker.server import PrefillServicer
 from vlkv.services.admin import AdminServicer
 from vlkv.services.gateway import GatewayServicer
+from vlkv.services.http_front import HttpFrontConfig, create_app
+from vlkv.services.http_server import HttpServer
 from vlkv.services.router import Router
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -97,6 +100,7 @@ async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, toke
     server = _worker_server(cfg, port, "DecodeWorker")
     add_decode_servicer(servicer, server.server)  # TransferKV on raw bytes: the zero-copy path
     servicer.address = server.address
+    servicer.health = server.health  # NOT_SERVING (then exit) should its decode loop die
     await servicer.start()
     await server.start()
     log.info("decode worker serving on %s (%d KV blocks)", server.address, servicer.pool.num_blocks)
@@ -130,3 +134,17 @@ async def start_gateway(
     await server.start()
     log.info("gateway serving on %s", server.address)
     return Running(server, servicer, cfg.grace_s, admin)
+
+
+async def start_http_front(
+    gateway: Running, port: int, cfg: ServerConfig, front: HttpFrontConfig | None = None
+) -> HttpServer:
+    """The OpenAI-compatible HTTP front on ``cfg.host:port``, serving through ``gateway``'s servicer in this
+    event loop (the gateway's TLS certificate and token); stop it before the gateway."""
+    front = front or HttpFrontConfig()
+    if not front.model_id:
+        front = replace(front, model_id=Path(cfg.model.path).name)  # the model is named by its directory
+    server = HttpServer(create_app(gateway.servicer, front), cfg.host, port, cfg.security, cfg.grace_s)
+    await server.start()
+    log.info("OpenAI-compatible HTTP front serving on %s", server.url)
+    return server

@@ -21,7 +21,7 @@ from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.inputs import ModalityMap
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
-from vlkv.common.sampling import make_generator, sample_token
+from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
 from vlkv.kernels.attention_stats import attention_stats
 
 
@@ -96,7 +96,10 @@ class PrefillEngine:
             collector = StatsCollector(policy.query_start(m, tau), compression.threshold)
         logits, keys, values = self.forward(req, collector)
         generator = None if sampling.greedy else make_generator(sampling.seed)
-        first = sample_token(logits, sampling, generator)
+        try:
+            first = sample_token(logits, sampling, generator)
+        except NonFiniteLogits as exc:  # from this request's own inputs (its image, its ids)
+            raise InvalidInput(f"the first token cannot be sampled: {exc.message}") from None
         stats = collector.stats(self.spec.num_layers) if collector is not None else None
         # A full cache (full policy or budget >= 1) comes back from compress bitwise unchanged.
         with torch.inference_mode():

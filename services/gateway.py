@@ -82,26 +82,32 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
 
     @abort_stream_on_error
     async def Generate(self, request, context):
+        async for resp in self.stream(request, front="grpc"):
+            yield resp
+
+    async def stream(self, request: generate_pb2.GenerateRequest, *, front: str):
+        """One request's responses (token chunks, then ``finished``), counted in the metrics under ``front``
+        (``grpc``, ``http``): the one serving path of every public front. Raises VlkvError."""
         start = time.perf_counter()
         self.requests_total += 1
         self.in_flight += 1
-        self.metrics.in_flight.inc()
+        self.metrics.in_flight.labels(front).inc()
         status = "OK"
         try:
-            async for resp in self._generate(request, start):
+            async for resp in self._generate(request, start, front):
                 yield resp
         except VlkvError as exc:
             status = exc.code.name
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             status = "CANCELLED"
             raise
         finally:
             self.in_flight -= 1
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(status).inc()
+            self.metrics.in_flight.labels(front).dec()
+            self.metrics.requests.labels(status, front).inc()
 
-    async def _generate(self, request, start: float):
+    async def _generate(self, request, start: float, front: str):
         req = self._validate(request)
         rid = req.request_id = request.request_id or uuid.uuid4().hex
         logs.request_id.set(rid)
@@ -116,7 +122,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
             try:
-                async for resp in self._run(prefill_req, slot, start, rid):
+                async for resp in self._run(prefill_req, slot, start, rid, front):
                     yield resp
                 return
             except _NoRoom as exc:  # the load it was picked on is stale; the worker's exact count disagreed
@@ -125,7 +131,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 self.metrics.hand_off_retries.inc()
                 log.info("request %s: %s; waiting for room again", rid, exc.error.message)
 
-    async def _run(self, prefill_req: worker_pb2.PrefillRequest, slot: DecodeSlot, start: float, rid: str):
+    async def _run(
+        self, prefill_req: worker_pb2.PrefillRequest, slot: DecodeSlot, start: float, rid: str, front: str
+    ):
         """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there."""
         decode = slot.worker
         deadline = self.cfg.transfer.deadline_s
@@ -145,12 +153,12 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 now = time.perf_counter()
                 if last is None:
                     ttft_ms = (now - start) * 1000
-                    self.metrics.ttft.observe(now - start)
+                    self.metrics.ttft.labels(front).observe(now - start)
                 elif resp.HasField("token"):
-                    self.metrics.itl.observe(now - last)
+                    self.metrics.itl.labels(front).observe(now - last)
                 last = now
                 if resp.HasField("token"):
-                    self.metrics.tokens.inc(len(resp.token.token_ids))
+                    self.metrics.tokens.labels(front).inc(len(resp.token.token_ids))
                 else:
                     usage = resp.finished.usage
                     usage.ttft_ms = ttft_ms

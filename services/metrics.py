@@ -14,12 +14,19 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("vlkv_requests", "Generate calls by final status", ["status"], registry=r)
-        self.in_flight = Gauge("vlkv_requests_in_flight", "Generate calls in progress", registry=r)
-        self.ttft = Histogram("vlkv_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(
-            "vlkv_inter_token_seconds", "time between streamed tokens", buckets=LATENCY_BUCKETS, registry=r
+        # Request figures are labelled by the public front that took the request: "grpc" or "http".
+        front = ["front"]
+        self.requests = Counter(
+            "vlkv_requests", "requests by final status and front", ["status", "front"], registry=r
         )
+        self.in_flight = Gauge("vlkv_requests_in_flight", "requests in progress", front, registry=r)
+        self.ttft = Histogram(
+            "vlkv_ttft_seconds", "time to first token", front, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "vlkv_inter_token_seconds", "time between streamed tokens", front,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.prefill = Histogram(
             "vlkv_prefill_seconds", "prefill forward + compression on a prefill worker",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -28,7 +35,7 @@ class GatewayMetrics:
             "vlkv_hand_off_seconds", "compact KV transfer prefill -> decode (as the prefill worker timed it)",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.tokens = Counter("vlkv_generated_tokens", "tokens streamed to clients", registry=r)
+        self.tokens = Counter("vlkv_generated_tokens", "tokens streamed to clients", front, registry=r)
         self.compression = Histogram(
             "vlkv_compression_ratio",
             "realized KV compression ratio per request",

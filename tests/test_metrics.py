@@ -45,9 +45,9 @@ def test_metrics_and_status_reflect_requests(cluster):
         )
     finally:
         http.shutdown()
-    assert 'vlkv_requests_total{status="OK"} 1.0' in body
-    assert 'vlkv_requests_total{status="INVALID_ARGUMENT"} 1.0' in body
-    assert "vlkv_ttft_seconds_count 1.0" in body
+    assert 'vlkv_requests_total{front="grpc",status="OK"} 1.0' in body
+    assert 'vlkv_requests_total{front="grpc",status="INVALID_ARGUMENT"} 1.0' in body
+    assert 'vlkv_ttft_seconds_count{front="grpc"} 1.0' in body
     assert "vlkv_decode_pool_occupancy" in body and "vlkv_compression_ratio_bucket" in body
     assert "vlkv_hand_off_seconds_count 1.0" in body and "vlkv_prefill_seconds_count 1.0" in body
     assert "vlkv_admission_queue 0.0" in body and "vlkv_decode_preemptions{" in body

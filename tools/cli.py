@@ -142,6 +142,8 @@ async def _with_cluster(args, body) -> int:
         decode=spec("decode", args.decode, args.decode_max, args.decode_target),
         gateway_port=getattr(args, "port", 0),
         metrics_port=args.metrics_port,
+        http_port=getattr(args, "http_port", None),
+        http_front=_http_front_config(args),
         ray_address=args.ray_address,
     )
     print("starting vlkv: Ray, prefill and decode workers, gateway ...", flush=True)
@@ -153,8 +155,16 @@ async def _with_cluster(args, body) -> int:
         await cluster.stop()
 
 
+def _http_front_config(args):
+    from vlkv.services.http_front import HttpFrontConfig
+
+    return HttpFrontConfig(allow_image_hosts=tuple(getattr(args, "http_allow_image_host", ())))
+
+
 def cmd_serve(args) -> int:
     async def body(cluster) -> int:
+        if cluster.http is not None:
+            print(f"OpenAI-compatible HTTP API on {cluster.http.url}", flush=True)
         print(f"vlkv gateway listening on {cluster.address} (Ctrl-C to stop)", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -305,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="start a local cluster: gateway + prefill + decode workers on Ray")
     _add_server_flags(p)
     p.add_argument("--port", type=int, default=50051, help="public gRPC port of the gateway")
+    p.add_argument(
+        "--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API on this port"
+    )
+    p.add_argument(
+        "--http-allow-image-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="HTTP API: fetch http(s) image URLs on this host (repeatable; default: data: URLs only)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="send one request to a running gateway and stream the answer")

@@ -12,12 +12,16 @@ progress line goes to stderr. Everything runs on one ``grpc.aio`` channel in one
 
     python -m vlkv.tools.loadgen --address 127.0.0.1:50051 --concurrency 8 -n 64
     python -m vlkv.tools.loadgen --address 127.0.0.1:50051 --rate 2 --duration 60 --dir my_images/
+
+``--http URL`` (``http://127.0.0.1:8000/v1``) sends the same requests through the OpenAI-compatible HTTP front
+instead, with the ``openai`` client (``tools/openai_stub.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import math
@@ -357,12 +361,14 @@ async def run_load_async(
     label: str = "loadgen",
     progress: bool = True,
     metadata: tuple = (),
+    http: str = "",
 ) -> LoadResult:
     """Closed loop at ``concurrency`` (> 0) or open loop at ``rate`` requests/s (Poisson arrivals).
 
     Sends at most ``max_requests`` (default: ``len(requests)``; requests are cycled) and none after
     ``duration_s``; calls still running ``drain_s`` after the last send are cancelled (recorded as
-    CANCELLED). Each call has a ``timeout_s`` deadline.
+    CANCELLED). Each call has a ``timeout_s`` deadline. ``http``: the base URL of an OpenAI-compatible
+    HTTP front to send the requests to instead of the gRPC ``address``.
     """
     if not requests:
         raise ValueError("no requests to send")
@@ -377,8 +383,7 @@ async def run_load_async(
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
     records: list[RequestRecord] = []
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    async with _stub(address, options, http, metadata) as stub:
         t0 = time.perf_counter()
         deadline = t0 + duration_s if duration_s is not None else math.inf
         issued = 0
@@ -442,6 +447,23 @@ async def run_load_async(
     return LoadResult(records, wall, "closed" if concurrency > 0 else "open", concurrency, rate)
 
 
+@contextlib.asynccontextmanager
+async def _stub(address: str, options: list, http: str, metadata: tuple):
+    """The gRPC stub of ``address``, or with ``http`` the OpenAI-client stand-in for that HTTP front."""
+    if http:
+        from vlkv.tools.openai_stub import OpenAIGenerationStub
+
+        token = dict(metadata).get("authorization", "").removeprefix("Bearer ")
+        stub = OpenAIGenerationStub(http, token)
+        try:
+            yield stub
+        finally:
+            await stub.close()
+        return
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        yield generate_pb2_grpc.GenerationStub(channel)
+
+
 def run_load(address: str, requests: list, **kwargs) -> LoadResult:
     """Synchronous wrapper of :func:`run_load_async` (runs its own event loop)."""
     return asyncio.run(run_load_async(address, requests, **kwargs))
@@ -461,6 +483,9 @@ def format_summary(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlkv.tools.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument(
+        "--http", default="", help="OpenAI-compatible HTTP front to drive instead (http://HOST:PORT/v1)"
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=0, help="closed loop: streams in flight")
     mode.add_argument("--rate", type=float, default=0.0, help="open loop: Poisson arrivals per second")
@@ -502,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         seed=args.seed,
         progress=not args.quiet,
+        http=args.http,
     )
     s = res.summary()
     print(format_summary(s))

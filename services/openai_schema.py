@@ -1,0 +1,301 @@
+"""OpenAI's request and response shapes, translated to and from vlkv's public API (``vlkv.v1``).
+
+The HTTP front (``http_front.py``) parses a body into :class:`ChatRequest` or :class:`CompletionRequest`,
+turns it into the same ``GenerateRequest`` a gRPC client would send (``chat_to_proto``,
+``completion_to_proto``), and builds OpenAI's JSON from the gateway's ``GenerateResponse`` messages
+(``usage_json``, ``finish_reason``). vlkv's own settings travel in an extra ``vlkv`` object with the gRPC
+API's names (``policy``, ``budget``, ``threshold``, ``allocator``, ``exact_budget``); the usage carries
+vlkv's KV figures under ``usage.vlkv``. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vlkv.common.errors import Refusal, VlkvError
+from vlkv.v1 import generate_pb2
+
+UINT32 = (1 << 32) - 1
+DATA_URL_TYPES = ("image/png", "image/jpeg", "image/jpg")
+
+
+class ApiError(Exception):
+    """An error the HTTP front answers in OpenAI's JSON shape with ``status``."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+        504: "timeout",
+    }
+
+    def __init__(self, status: int, message: str, code: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code or None}
+        }
+
+
+# gRPC status of a VlkvError -> HTTP status; the error's `code` field names the gRPC status in lower case.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def api_error(exc: VlkvError) -> ApiError:
+    status = HTTP_STATUS.get(exc.code, 500)
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.reason == Refusal.REFUSAL_NEVER_FITS:
+        status = 413  # retrying will not help: the request is larger than a decode worker's pool
+    return ApiError(status, exc.message, exc.code.name.lower())
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"])
+    return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], "invalid_argument", param)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Requests.
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields vlkv has no use for (user, store)
+
+
+class VlkvOptions(BaseModel):
+    """The ``vlkv`` extra body field: compression settings (gRPC names), top_k, and token ids in replies."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str = ""
+    budget: float | None = None
+    threshold: float | None = None
+    allocator: str = ""
+    exact_budget: bool = False
+    top_k: int | None = Field(None, ge=0, le=UINT32)
+    return_token_ids: bool = False  # choices (and stream deltas) carry the generated token ids
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(_Model):
+    model: str
+    temperature: float | None = None  # unset: vlkv's default, greedy (OpenAI's default is 1)
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=0, le=UINT32)  # as vLLM accepts it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    vlkv: VlkvOptions = Field(default_factory=VlkvOptions)
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise ApiError(400, "only n=1 is supported", "invalid_argument", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported", "invalid_argument", name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "invalid_argument", "logit_bias")
+
+
+class ChatRequest(_Common):
+    messages: list[Message]
+    max_tokens: int | None = Field(None, ge=0, le=UINT32)
+    max_completion_tokens: int | None = Field(None, ge=0, le=UINT32)
+    logprobs: bool | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported", "invalid_argument", "logprobs")
+        if self.tools:
+            raise ApiError(400, "tools are not supported", "invalid_argument", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ApiError(400, "only the text response format is supported", "invalid_argument")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def image_urls(self) -> list[str]:
+        """Every image part's URL, in prompt order."""
+        return [
+            p.image_url if isinstance(p.image_url, str) else p.image_url.url
+            for m in self.messages
+            if isinstance(m.content, list)
+            for p in m.content
+            if isinstance(p, ImagePart)
+        ]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=0, le=UINT32)  # unset: vlkv's default (OpenAI's is 16)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ApiError(400, "prompt must be one string", "invalid_argument", "prompt")
+        for name, off in (("echo", False), ("logprobs", None), ("suffix", None)):
+            if getattr(self, name) not in (off, 0):
+                raise ApiError(400, f"{name} is not supported", "invalid_argument", name)
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "only best_of=1 is supported", "invalid_argument", "best_of")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    """The bytes of a base64 ``data:image/png|jpeg`` URL; 413 over ``max_bytes``, 400 for anything else."""
+    head, sep, data = url.partition(",")
+    media = head[len("data:") :].split(";")
+    if not sep or media[0].lower() not in DATA_URL_TYPES or "base64" not in media[1:]:
+        raise ApiError(400, "image data URLs must be data:image/png;base64,... or data:image/jpeg;base64,...")
+    if len(data) * 3 // 4 > max_bytes + 3:
+        raise ApiError(413, f"an image is over the limit of {max_bytes} bytes", "request_too_large")
+    try:
+        blob = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "an image data URL is not valid base64", "invalid_argument") from None
+    if len(blob) > max_bytes:
+        raise ApiError(413, f"an image is over the limit of {max_bytes} bytes", "request_too_large")
+    return blob
+
+
+def _sampling(r: ChatRequest | CompletionRequest) -> generate_pb2.SamplingParams:
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or ())
+    s = generate_pb2.SamplingParams(stop=stop)
+    top_k = r.vlkv.top_k if r.vlkv.top_k is not None else r.top_k
+    seed = None if r.seed is None else r.seed % (1 << 64)
+    for name, value in (
+        ("max_new_tokens", r.max_new_tokens),
+        ("temperature", r.temperature),
+        ("top_p", r.top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(s, name, value)
+    return s
+
+
+def _compression(v: VlkvOptions) -> generate_pb2.CompressionParams:
+    c = generate_pb2.CompressionParams(policy=v.policy, allocator=v.allocator, exact_budget=v.exact_budget)
+    if v.budget is not None:
+        c.budget = v.budget
+    if v.threshold is not None:
+        c.threshold = v.threshold
+    return c
+
+
+def chat_to_proto(r: ChatRequest, images: list[bytes], request_id: str) -> generate_pb2.GenerateRequest:
+    """The gRPC request for a chat completion; ``images`` are the decoded ``image_urls()``, in order."""
+    req = generate_pb2.GenerateRequest(
+        request_id=request_id, images=images, sampling=_sampling(r), compression=_compression(r.vlkv)
+    )
+    req.chat.SetInParent()
+    for m in r.messages:
+        parts = []
+        content = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
+        for p in content:
+            if isinstance(p, ImagePart):
+                parts.append(generate_pb2.ContentPart(image=generate_pb2.ImagePlaceholder()))
+            else:
+                parts.append(generate_pb2.ContentPart(text=p.text))
+        role = "system" if m.role == "developer" else m.role
+        req.chat.messages.append(generate_pb2.ChatMessage(role=role, content=parts))
+    return req
+
+
+def completion_to_proto(r: CompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
+    """The gRPC request for a plain-text completion (no images)."""
+    return generate_pb2.GenerateRequest(
+        request_id=request_id, text=r.text, sampling=_sampling(r), compression=_compression(r.vlkv)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses.
+
+FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_EOS: "stop",
+    generate_pb2.FINISH_REASON_STOP_STRING: "stop",
+}
+
+
+def finish_reason(finished: generate_pb2.Finished) -> str:
+    return FINISH_REASONS.get(finished.reason, "stop")
+
+
+def usage_json(u: generate_pb2.Usage) -> dict:
+    """OpenAI's usage, plus vlkv's figures (vision tokens, KV kept and full, ratio, layer budgets, TTFT)."""
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.generated_tokens,
+        "total_tokens": u.prompt_tokens + u.generated_tokens,
+        "vlkv": {
+            "vision_tokens": u.vision_tokens,
+            "kv_bytes_kept": u.kv_bytes_kept,
+            "kv_bytes_full": u.kv_bytes_full,
+            "compression_ratio": round(u.compression_ratio, 6),
+            "layer_budgets": list(u.layer_budgets),
+            "ttft_ms": round(u.ttft_ms, 3),
+            "policy": u.policy,
+        },
+    }

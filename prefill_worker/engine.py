@@ -91,8 +91,9 @@ class PrefillEngine:
         m, tau = req.modality.m, req.modality.tau
         compression, sampling = req.compression, req.sampling
         policy = compression.build_policy()
+        full = policy.is_full(compression.budget)  # the one definition (Policy.is_full), on the built policy
         collector = None
-        if policy.requires_stats and not compression.is_full:
+        if policy.requires_stats and not full:
             collector = StatsCollector(policy.query_start(m, tau), compression.threshold)
         logits, keys, values = self.forward(req, collector)
         generator = None if sampling.greedy else make_generator(sampling.seed)
@@ -106,5 +107,5 @@ class PrefillEngine:
             ckv = policy.compress(
                 stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first
             )
-        name = "full" if compression.is_full else compression.policy
+        name = "full" if full else compression.policy
         return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000)

@@ -9,6 +9,7 @@ loaded model, which adds the weights' fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ class ModelSpec:
         dtype = next(model.parameters()).dtype
         eos = _eos_ids(getattr(model, "generation_config", None), tokenizer)
         spec = cls.from_config(model.config, dtype, eos)
-        return cls.from_config(model.config, dtype, eos, model_fingerprint(model, spec))
+        return dataclasses.replace(spec, fingerprint=model_fingerprint(model, spec))
 
 
 def text_config(config):

@@ -16,6 +16,7 @@ from vlkv.common.security import SecurityConfig
 __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where callers look for them
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+KV_TRANSPORTS = ("auto", "grpc", "nixl")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,6 +53,9 @@ class Limits:
     max_images: int = 8
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 40_000_000  # decoded width * height (decompression bombs)
+    max_request_pixels: int = 64_000_000  # width * height summed over a request's images (from the headers)
+    max_prompt_bytes: int = 0  # UTF-8 bytes of the prompt text, checked before tokenizing; 0: 32 per token
+    # of the model's context
     max_prompt_tokens: int = 0  # 0: the model's context length minus max_new_tokens
     max_new_tokens: int = 1024
     default_max_new_tokens: int = 64
@@ -62,6 +66,8 @@ class Limits:
         _check(self.max_images >= 0, "max_images must be >= 0")
         _check(self.max_image_bytes > 0, "max_image_bytes must be > 0")
         _check(self.max_image_pixels > 0, "max_image_pixels must be > 0")
+        _check(self.max_request_pixels > 0, "max_request_pixels must be > 0")
+        _check(self.max_prompt_bytes >= 0, "max_prompt_bytes must be >= 0")
         _check(self.max_prompt_tokens >= 0, "max_prompt_tokens must be >= 0")
         _check(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
         _check(
@@ -117,6 +123,21 @@ class TransferConfig:
 
     chunk_bytes: int = 4 << 20  # handoff.wire.DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0  # of one TransferKV call; the gateway allows 2x for a Prefill, 3x for the cache
+    # "grpc": K/V in gRPC messages; "nixl": one-sided NIXL writes into the decode pool (unencrypted: trusted
+    # fabrics only); "auto": NIXL where both workers have it and TLS is off, else gRPC.
+    kv_transport: str = "auto"
+    idle_s: float = 10.0  # decode side: a hand-off with no message for this long ends and frees its blocks
+    write_window_s: float = 10.0  # NIXL: the sender writes within this; blocks of a broken write wait it out
+    max_transfers: int = 32  # decode side: hand-offs in progress at once (more: RESOURCE_EXHAUSTED)
+    drain_bytes: int = (
+        64 << 20
+    )  # decode side: what a refused gRPC sender may still stream (to see the status)
+    unclaimed_lease_s: float = 5.0  # decode side: a cache no Decode call claims is freed after this
+    max_unclaimed_per_sender: int = 8  # decode side: unclaimed caches one sending host may park at once
+    # Prefill side: decode workers it may send to besides those registered at run time (allow_decode); in
+    # local mode (no TLS) any loopback address is allowed too. Channels kept open: at most max_peers.
+    decode_peers: tuple[str, ...] = ()
+    max_peers: int = 64
     # Fault injection, for tests only (no CLI flag; keep 0): the prefill worker pauses this long before each
     # KV chunk after the header, so a test can kill or stop a process while a hand-off is in flight.
     fault_chunk_delay_ms: int = 0
@@ -125,6 +146,12 @@ class TransferConfig:
         _check(4096 <= self.chunk_bytes <= (32 << 20), "chunk_bytes must be in [4 KiB, 32 MiB]")
         _check(self.deadline_s > 0, "deadline_s must be > 0")
         _check(0 <= self.fault_chunk_delay_ms <= 60_000, "fault_chunk_delay_ms must be in [0, 60000]")
+        _check(self.kv_transport in KV_TRANSPORTS, f"kv_transport must be one of {KV_TRANSPORTS}")
+        for name in ("idle_s", "write_window_s", "unclaimed_lease_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0")
+        _check(self.max_transfers >= 1 and self.max_peers >= 1, "max_transfers and max_peers must be >= 1")
+        _check(self.drain_bytes >= 0 and self.max_unclaimed_per_sender >= 1, "bad drain or unclaimed limit")
+        self.decode_peers = tuple(self.decode_peers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +177,14 @@ class PrefillConfig:
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """What a decode worker reads: its pool and batch, the device it holds them on, the sampling limits."""
+    """What a decode worker reads: its pool and batch, the device it holds them on, the sampling limits, how
+    it receives caches (and whether TLS is on: ``auto`` offers NIXL only without it)."""
 
     limits: Limits
     pool: PoolConfig
     device: str
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    tls: bool = False
 
 
 @dataclass(slots=True)
@@ -191,4 +221,4 @@ class ServerConfig:
         return PrefillConfig(self.limits, self.transfer, self.security, self.keepalive_s)
 
     def decode(self) -> DecodeConfig:
-        return DecodeConfig(self.limits, self.pool, self.model.device)
+        return DecodeConfig(self.limits, self.pool, self.model.device, self.transfer, self.security.tls)

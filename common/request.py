@@ -23,12 +23,23 @@ from vlkv.common.compression.registry import (
 )
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
-from vlkv.common.model.inputs import ModalityMap, decode_images, prepare_inputs
+from vlkv.common.model.inputs import (
+    ModalityMap,
+    count_placeholders,
+    decode_images,
+    input_side,
+    prepare_inputs,
+    read_headers,
+    release_memory,
+)
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.sampling import SamplingConfig
 from vlkv.v1 import generate_pb2, worker_pb2
 
 MAX_STOP_CHARS = 256
+MAX_CHAT_PARTS = 1024  # messages plus content parts of a chat prompt
+PROMPT_BYTES_PER_TOKEN = 32  # Limits.max_prompt_bytes = 0: this many bytes per token of the model's context
+RELEASE_AFTER_PIXELS = 4_000_000  # decoded pixels after which a request trims the heap (release_memory)
 TENSOR_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -59,12 +70,30 @@ class PreparedRequest:
 def prepare_request(
     pb: generate_pb2.GenerateRequest, processor, spec: ModelSpec, limits: Limits, *, default_seed: int
 ) -> PreparedRequest:
-    """Validate a public request and run the processor; InvalidInput names the first bad field."""
+    """Validate a public request and run the processor; InvalidInput names the first bad field.
+
+    Cheap checks come before expensive work: the settings, the prompt's size in bytes before it is
+    rendered or tokenized, the image count and placeholders, and every image's header (bytes, format,
+    pixels, pixels in total) before any image is decoded; images are decoded at the size the model uses
+    (``decode_images``). Synchronous and CPU-bound: the gateway runs it in a worker thread."""
     sampling = sampling_from_proto(pb.sampling, limits, default_seed=default_seed)
     compression = compression_from_proto(pb.compression)
-    prompt = render_prompt(pb, processor)
-    images = decode_images(list(pb.images), limits)
-    inputs = prepare_inputs(processor, images, prompt, spec.image_token_id)
+    prompt = render_prompt(pb, processor, limits.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * spec.context)
+    blobs = list(pb.images)
+    placeholders = count_placeholders(prompt, processor)
+    if placeholders != len(blobs):
+        raise InvalidInput(
+            f"the prompt has {placeholders} image placeholders but {len(blobs)} images were sent"
+        )
+    headers = read_headers(blobs, limits)
+    large = sum(h.pixels for h in headers) >= RELEASE_AFTER_PIXELS or len(prompt) > 1 << 20
+    images = decode_images(blobs, limits, input_side(processor), headers)
+    try:
+        inputs = prepare_inputs(processor, images, prompt, spec.image_token_id)
+    finally:
+        del images
+        if large:  # give the decoded images' memory back to the OS now
+            release_memory()
     m = inputs.modality.m
     limit = limits.max_prompt_tokens or spec.context
     if m > limit:
@@ -147,12 +176,22 @@ def tensor_from_proto(pb: worker_pb2.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(pb.data), dtype=dtype).reshape(tuple(pb.shape))
 
 
-def render_prompt(request: generate_pb2.GenerateRequest, processor) -> str:
-    """The prompt text with image placeholders, from plain text or chat messages."""
+def render_prompt(request: generate_pb2.GenerateRequest, processor, max_bytes: int = 0) -> str:
+    """The prompt text with image placeholders, from plain text or chat messages; with ``max_bytes``, a
+    prompt over that many UTF-8 bytes is refused before it is rendered (and again after)."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         text = request.text
+        _check_prompt_bytes(len(text.encode()), max_bytes)
     elif kind == "chat":
+        parts = len(request.chat.messages) + sum(len(msg.content) for msg in request.chat.messages)
+        if parts > MAX_CHAT_PARTS:
+            raise InvalidInput(
+                f"the chat prompt has {parts} messages and parts, over the limit of {MAX_CHAT_PARTS}"
+            )
+        _check_prompt_bytes(
+            sum(len(p.text.encode()) for msg in request.chat.messages for p in msg.content), max_bytes
+        )
         messages = []
         for msg in request.chat.messages:
             if msg.role not in ("user", "assistant", "system"):
@@ -169,12 +208,21 @@ def render_prompt(request: generate_pb2.GenerateRequest, processor) -> str:
         add_gen = (
             request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
         )
-        text = processor.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False)
+        try:
+            text = processor.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - e.g. the template's own raise_exception on a bad order
+            raise InvalidInput(f"the chat template rejected the messages: {exc}") from None
+        _check_prompt_bytes(len(text.encode()), max_bytes)
     else:
         raise InvalidInput("the prompt is empty: set text or chat")
     if not text.strip():
         raise InvalidInput("the prompt is empty")
     return text
+
+
+def _check_prompt_bytes(n: int, max_bytes: int) -> None:
+    if max_bytes and n > max_bytes:
+        raise InvalidInput(f"the prompt has {n} bytes, over the limit of {max_bytes} bytes")
 
 
 def sampling_from_proto(

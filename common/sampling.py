@@ -31,12 +31,13 @@ class SamplingConfig:
 
 
 class NonFiniteLogits(VlkvError):
-    """The logits to sample from hold NaN or +inf: the model's output (or the cache it read) is broken.
+    """The logits to sample from hold NaN or +inf: the model's output for this request's data is broken.
 
-    INTERNAL by default; a worker that knows the request's own data caused it says so (the prefill worker
-    reports it as INVALID_ARGUMENT)."""
+    INVALID_ARGUMENT: every sampling setting is numerically safe and caches are checked finite at hand-off,
+    so what is left is the request's own inputs driving the model out of range; the same request fails the
+    same way again, so it is not reported as retryable (the other sequences of its batch decode on)."""
 
-    code = grpc.StatusCode.INTERNAL
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:

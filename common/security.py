@@ -2,8 +2,13 @@
 
 One :class:`SecurityConfig` describes a process: its certificate and key (TLS on every server it runs), the
 CA that signed its peers (verify servers; with ``mutual_tls`` also require and verify client certificates
-on the internal worker services), and the bearer token the public API demands. Everything off is the
-local one-machine mode; ``check_exposure`` refuses to run that mode on a non-loopback address.
+on the internal worker services), the bearer token the public API demands, and the internal token every
+internal call carries. Everything off is the local one-machine mode; ``check_exposure`` refuses to run that
+mode on a non-loopback address, and refuses worker ports that anyone holding the public CA certificate could
+call: exposed beyond loopback, internal calls are authenticated by client certificates (``mutual_tls``) or by
+the internal token (``vlkv serve`` draws a random one when TLS is on without ``--mtls``; Ray ships it to
+every worker with the rest of the configuration). Workers refuse a call without it (UNAUTHENTICATED);
+internal channels attach it to every call as call credentials.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from vlkv.common.errors import ConfigError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 UNAUTHENTICATED_EXEMPT = ("/grpc.health.v1.Health/",)
+INTERNAL_TOKEN_KEY = "vlkv-internal-token"  # metadata key of the internal token on worker calls
 
 
 def _read(path: str) -> bytes:
@@ -33,10 +39,15 @@ class SecurityConfig:
     ca: str = ""  # PEM CA bundle that signed the peers
     mutual_tls: bool = False  # workers require and verify client certificates
     api_token: str = ""  # bearer token required on the public API (empty: none)
+    internal_token: str = ""  # shared secret every internal call carries; workers refuse calls without it
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise ConfigError("TLS needs both a certificate and a key")
+        if self.internal_token and not self.cert:
+            raise ConfigError(
+                "an internal token needs TLS (--tls-cert/--tls-key): it would travel in the clear"
+            )
         if self.mutual_tls and not (self.cert and self.ca):
             raise ConfigError("mutual TLS needs a certificate, a key and a CA bundle")
         for path in (self.cert, self.key, self.ca):
@@ -59,31 +70,59 @@ class SecurityConfig:
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """Credentials for internal channels: verify the server by the CA; present our cert under mTLS."""
+        """Credentials for internal channels: verify the server by the CA; present our cert under mTLS;
+        attach the internal token (if any) to every call."""
         if not self.tls:
             return None
         if self.mutual_tls:
-            return grpc.ssl_channel_credentials(_read(self.ca), _read(self.key), _read(self.cert))
-        return grpc.ssl_channel_credentials(_read(self.ca) if self.ca else None)
+            creds = grpc.ssl_channel_credentials(_read(self.ca), _read(self.key), _read(self.cert))
+        else:
+            creds = grpc.ssl_channel_credentials(_read(self.ca) if self.ca else None)
+        if self.internal_token:
+            token = grpc.metadata_call_credentials(_InternalTokenPlugin(self.internal_token))
+            creds = grpc.composite_channel_credentials(creds, token)
+        return creds
+
+    def internal_interceptors(self) -> tuple[grpc.aio.ServerInterceptor, ...]:
+        """Interceptors of an internal (worker) server: the internal token check, when one is set."""
+        return (InternalTokenInterceptor(self.internal_token),) if self.internal_token else ()
 
     def check_exposure(self, host: str) -> None:
-        """The insecure local mode binds loopback only."""
-        if host not in LOOPBACK and not (self.tls and self.api_token):
+        """The insecure local mode binds loopback only; exposed worker ports authenticate their callers."""
+        if host in LOOPBACK:
+            return
+        if not (self.tls and self.api_token):
             raise ConfigError(
                 f"refusing to serve on {host!r} without TLS and an API token; pass --tls-cert/--tls-key and "
                 "--api-token (or bind 127.0.0.1 for the local one-machine mode)"
             )
+        if not (self.mutual_tls or self.internal_token):
+            raise ConfigError(
+                f"refusing to serve on {host!r} with unauthenticated worker ports: pass --mtls (with "
+                "--tls-ca), or an internal token (--internal-token or VLKV_INTERNAL_TOKEN)"
+            )
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` with UNAUTHENTICATED (health checks exempt)."""
+class _InternalTokenPlugin(grpc.AuthMetadataPlugin):
+    """Adds the internal token to every call of an internal channel."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._metadata = ((INTERNAL_TOKEN_KEY, token),)
 
-    @staticmethod
-    def _deny(handler):
-        msg = "missing or invalid bearer token"
+    def __call__(self, context, callback) -> None:
+        callback(self._metadata, None)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls whose metadata ``key`` is not ``expected`` with UNAUTHENTICATED (health checks exempt)."""
+
+    def __init__(self, key: str, expected: str, what: str) -> None:
+        self._key = key
+        self._expected = expected.encode()
+        self._message = f"missing or invalid {what}"
+
+    def _deny(self, handler):
+        msg = self._message
 
         async def unary(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
@@ -105,8 +144,22 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(UNAUTHENTICATED_EXEMPT):
             return await continuation(handler_call_details)
-        got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode(), self._expected):
+        got = dict(handler_call_details.invocation_metadata or ()).get(self._key, "")
+        if isinstance(got, str) and hmac.compare_digest(got.encode(), self._expected):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         return None if handler is None else self._deny(handler)
+
+
+class BearerTokenInterceptor(TokenInterceptor):
+    """The public API's check: ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__("authorization", f"Bearer {token}", "bearer token")
+
+
+class InternalTokenInterceptor(TokenInterceptor):
+    """A worker's check: the internal token (``INTERNAL_TOKEN_KEY``) that internal channels attach."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__(INTERNAL_TOKEN_KEY, token, "internal token")

@@ -36,6 +36,11 @@ class _WorkerActor:
     async def address(self) -> str:
         return self._running.address if self._running else ""
 
+    async def allow_decode(self, address: str) -> None:
+        """A prefill worker: register a decode worker of the cluster (only registered ones are dialled)."""
+        if self._running is not None and hasattr(self._running.servicer, "allow_decode"):
+            self._running.servicer.allow_decode(address)
+
     async def drain(self) -> None:
         """Take no new work (the gateway has already stopped routing here); finish what is running."""
         if self._running is not None:

@@ -61,6 +61,8 @@ class LocalCluster:
         self.gateway: Running | None = None
         self.autoscaler: Autoscaler | None = None
         self._metrics_http = None
+        self._decode_addresses: set[str] = set()
+        self._prefill_actors: list = []
 
     async def _start_actor(self, kind: str) -> Replica:
         spec = self.specs[kind]
@@ -71,6 +73,15 @@ class LocalCluster:
         except BaseException:
             ray.kill(actor)
             raise
+        # Prefill workers dial only registered decode workers: tell every prefill worker of every decode one.
+        if kind == "decode":
+            self._decode_addresses.add(address)
+            await asyncio.gather(
+                *(a.allow_decode.remote(address) for a in self._prefill_actors), return_exceptions=True
+            )
+        else:
+            self._prefill_actors.append(actor)
+            await asyncio.gather(*(actor.allow_decode.remote(a) for a in list(self._decode_addresses)))
         return Replica(kind, actor, address, state="serving")
 
     async def start(self) -> str:

@@ -15,6 +15,7 @@ import torch
 from vlkv.common.config import ServerConfig
 from vlkv.common.grpc_server import Server
 from vlkv.common.handoff.grpc_transport import tune_malloc
+from vlkv.common.handoff.transport import nixl_agent_for
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.security import BearerTokenInterceptor
@@ -71,21 +72,23 @@ def _load_worker(cfg: ServerConfig, model, tokenizer):
 
 
 def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
-    """An internal server: TLS as configured, and pings answered (the gateway and prefill workers keep
-    their connections here alive)."""
+    """An internal server: TLS as configured, the internal token checked on every call when one is set,
+    and pings answered (the gateway and prefill workers keep their connections here alive)."""
     return Server(
         cfg.host,
         port,
         [_service_name(worker_pb2, service)],
         cfg.limits.max_message_bytes,
         credentials=cfg.security.server_credentials(internal=True),
+        interceptors=cfg.security.internal_interceptors(),
         accept_pings=True,
     )
 
 
 async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
     model, _, spec = _load_worker(cfg, model, processor.tokenizer if processor is not None else None)
-    servicer = PrefillServicer(model, spec, cfg.prefill())
+    nixl = nixl_agent_for("prefill", cfg.transfer.kv_transport, cfg.security.tls)
+    servicer = PrefillServicer(model, spec, cfg.prefill(), nixl=nixl)
     server = _worker_server(cfg, port, "PrefillWorker")
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address
@@ -96,7 +99,8 @@ async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, pro
 
 async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, tokenizer=None) -> Running:
     model, tokenizer, spec = _load_worker(cfg, model, tokenizer)
-    servicer = DecodeServicer(model, tokenizer, spec, cfg.decode())
+    nixl = nixl_agent_for("decode", cfg.transfer.kv_transport, cfg.security.tls)
+    servicer = DecodeServicer(model, tokenizer, spec, cfg.decode(), nixl=nixl)
     server = _worker_server(cfg, port, "DecodeWorker")
     add_decode_servicer(servicer, server.server)  # TransferKV on raw bytes: the zero-copy path
     servicer.address = server.address

@@ -1,12 +1,13 @@
 """The prefill worker's gRPC service: prefill, compress, hand the compact cache to a decode worker.
 
 The request arrives as the gateway prepared it (input ids, pixel values, validated settings) and is parsed
-once here (``request.from_prefill_proto``); the processor never runs on this worker. Prefills run one at a time in a worker thread (the forward is compute-bound and uses all torch threads);
-queued requests wait on the event loop, which keeps answering health checks and load queries. The cache
-is streamed to the decode worker named in the request through its ``TransferKV`` call, as chunks serialized
-by ``handoff.codec`` (one copy per chunk, no protobuf objects) and sent through ``GrpcKVSender``; a
-refusal there (pool full, fingerprint mismatch) comes back to the gateway with the decode worker's status
-and its ``Refusal`` reason; a decode worker that cannot be reached is ``REFUSAL_HAND_OFF_FAILED``.
+once here (``request.from_prefill_proto``); the processor never runs on this worker. Prefills run one at a
+time in a worker thread (the forward is compute-bound and uses all torch threads); queued requests wait on
+the event loop, which keeps answering health checks and load queries. The cache goes to the decode worker
+named in the request, if that worker is registered (``peers.DecodePeers``), through the sender the peer
+gets (``transport.KVSender``: NIXL writes into its pool, or ``TransferKV`` messages); a refusal there (pool
+full, fingerprint mismatch) comes back to the gateway with the decode worker's status and its ``Refusal``
+reason; a decode worker that cannot be reached is ``REFUSAL_HAND_OFF_FAILED``.
 """
 
 from __future__ import annotations
@@ -20,28 +21,20 @@ import grpc
 from vlkv.common import logs
 from vlkv.common.config import PrefillConfig
 from vlkv.common.errors import Refusal, VlkvError
-from vlkv.common.grpc_server import abort_on_error, make_channel
-from vlkv.common.handoff.grpc_transport import GrpcKVSender
-from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
+from vlkv.common.grpc_server import abort_on_error
+from vlkv.common.handoff.nixl_agent import NixlAgent
+from vlkv.common.handoff.wire import KVWireError, encode_header
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import from_prefill_proto
 from vlkv.prefill_worker.engine import PrefillEngine
+from vlkv.prefill_worker.peers import DecodePeers
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-async def _delayed(chunks, delay_s: float):
-    """Fault injection for tests (``TransferConfig.fault_chunk_delay_ms``): pause before every chunk after
-    the header, so the decode worker has reserved the blocks and the hand-off is visibly in flight."""
-    for i, chunk in enumerate(chunks):
-        if i:
-            await asyncio.sleep(delay_s)
-        yield chunk
-
-
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, model, spec: ModelSpec, cfg: PrefillConfig) -> None:
+    def __init__(self, model, spec: ModelSpec, cfg: PrefillConfig, nixl: NixlAgent | None = None) -> None:
         self.cfg = cfg
         self.spec = spec
         self.engine = PrefillEngine(model, spec)
@@ -50,27 +43,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.running = 0
         self.waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-prefill")
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.peers = DecodePeers(cfg, nixl)
 
     async def stop(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self.peers.close()
         self._executor.shutdown(wait=True)
 
-    def _sender(self, address: str) -> GrpcKVSender:
-        """A ``TransferKV`` sender on the channel kept open to each decode worker."""
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = make_channel(
-                address, self.cfg.security, self.cfg.limits.max_message_bytes, self.cfg.keepalive_s
-            )
-            self._channels[address] = ch
-        t = self.cfg.transfer
-        return GrpcKVSender(ch, chunk_bytes=t.chunk_bytes, timeout_s=t.deadline_s)
+    def allow_decode(self, address: str) -> None:
+        """Register a decode worker of the cluster: caches may be sent to it."""
+        self.peers.allow(address)
 
     @abort_on_error
     async def Prefill(self, request, context):
         logs.request_id.set(request.request_id)
+        self.peers.channel(request.decode_address)  # PERMISSION_DENIED before any work if not registered
         req = from_prefill_proto(request, self.spec, self.cfg.limits)  # this process's one parse of it
         loop = asyncio.get_running_loop()
         self.waiting += 1
@@ -79,23 +65,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         finally:
             self.waiting -= 1
         ckv = result.cache
-        chunks = encode_compact_kv(
-            ckv,
+        header = encode_header(
             request_id=request.request_id,
             fingerprint=self.spec.fingerprint,
+            dtype=ckv.dtype,
+            num_kv_heads=ckv.num_kv_heads,
+            head_dim=ckv.head_dim,
+            layer_lengths=ckv.layer_lengths,
+            prompt_length=ckv.prompt_length,
+            first_token_id=ckv.first_token,
             sampling=request.sampling,
             eos_token_ids=list(self.spec.eos_token_ids),
             prompt_tokens=result.modality.m,
             vision_tokens=result.modality.num_vision_tokens,
             policy=result.policy,
-            chunk_bytes=self.cfg.transfer.chunk_bytes,
-            wire=True,  # serialized chunks, encoded lazily as gRPC flow control admits them
         )
-        if self.cfg.transfer.fault_chunk_delay_ms:  # tests only (see TransferConfig)
-            chunks = _delayed(chunks, self.cfg.transfer.fault_chunk_delay_ms / 1000)
         start = time.perf_counter()
         try:
-            await self._sender(request.decode_address).send_chunks(chunks)
+            await self.peers.send(request.decode_address, header, ckv)
         except KVWireError as exc:  # the decode worker's (or the transport's) status and details
             code = exc.code
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -7,15 +7,23 @@ the cache to that decode worker). A prefill failure cancels the token stream and
 prefill's status; a client that goes away cancels both. A decode worker that refuses the cache for lack of
 blocks (the load the gateway chose it on was stale: other requests took the room first) costs one more
 pick, waiting in the admission queue, and one more prefill.
+
+Validation (image decoding, the processor, tokenizing) is CPU-bound and runs in a small thread pool, never
+on the event loop, so a large request does not stall the others. Workers see only ids the gateway draws
+(the caller's ``request_id`` is echoed back, never used inside), and what reaches the client is one of the
+documented public codes (``PUBLIC_CODES``) with a message that names no internal address; the full
+internal message goes to the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from vlkv.common import logs
@@ -31,6 +39,34 @@ from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID = 128
 HAND_OFF_ATTEMPTS = 2  # a decode worker that refuses a cache for room gets one more pick (and prefill)
+PREPARE_THREADS = 4  # requests validated at once (image decoding, processor); the rest wait their turn
+Code = grpc.StatusCode
+# The codes a public call can end with (README "Public API"); CANCELLED only when the client cancels.
+PUBLIC_CODES = frozenset(
+    {
+        Code.INVALID_ARGUMENT,
+        Code.RESOURCE_EXHAUSTED,
+        Code.UNAVAILABLE,
+        Code.DEADLINE_EXCEEDED,
+        Code.UNAUTHENTICATED,
+        Code.CANCELLED,
+    }
+)
+# A worker's other codes, as the client sees them: the request's own data is to blame (INVALID_ARGUMENT),
+# or the service failed it (UNAVAILABLE, retryable). A worker's UNAUTHENTICATED or CANCELLED is the
+# cluster's business, never the client's.
+_WORKER_CODES = {
+    Code.OUT_OF_RANGE: Code.INVALID_ARGUMENT,
+    Code.INVALID_ARGUMENT: Code.INVALID_ARGUMENT,
+    Code.RESOURCE_EXHAUSTED: Code.RESOURCE_EXHAUSTED,
+    Code.DEADLINE_EXCEEDED: Code.DEADLINE_EXCEEDED,
+}
+_ADDRESS = re.compile(
+    r"(?:ipv4:|ipv6:|dns:/*)?"
+    r"(?:\[[0-9A-Fa-f:.%]+\](?::\d+)?|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\blocalhost:\d+\b"
+    r"|\b[\w-]+(?:\.[\w-]+)+:\d{1,5}\b)"
+    r"|\bunix:[^\s,;'\"]+"
+)
 
 
 class GatewayServicer(generate_pb2_grpc.GenerationServicer):
@@ -42,13 +78,22 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         self.in_flight = 0
         self.requests_total = 0
         self.metrics = GatewayMetrics()
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="vlkv-validate")
 
-    def _validate(self, request: generate_pb2.GenerateRequest) -> PreparedRequest:
-        """The one validation of a request: everything a worker needs, checked before any worker works."""
+    async def stop(self) -> None:
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _validate(self, request: generate_pb2.GenerateRequest) -> PreparedRequest:
+        """The one validation of a request: everything a worker needs, checked before any worker works,
+        in the validation thread pool (never on the event loop)."""
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidInput(f"request_id is longer than {MAX_REQUEST_ID} characters")
-        return prepare_request(
-            request, self.processor, self.spec, self.cfg.limits, default_seed=secrets.randbits(62)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._prepare_pool,
+            lambda: prepare_request(
+                request, self.processor, self.spec, self.cfg.limits, default_seed=secrets.randbits(62)
+            ),
         )
 
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillReply:
@@ -97,20 +142,40 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             async for resp in self._generate(request, start, front):
                 yield resp
         except VlkvError as exc:
-            status = exc.code.name
-            raise
+            public = self._public_error(exc)
+            status = public.code.name
+            raise public from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             status = "CANCELLED"
             raise
+        except Exception:  # a bug: logged with its trace; the client gets a retryable status, no internals
+            log.exception("request failed in the gateway")
+            status = Code.UNAVAILABLE.name
+            raise VlkvError("the request failed inside the service", Code.UNAVAILABLE) from None
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.labels(front).dec()
             self.metrics.requests.labels(status, front).inc()
 
+    def _public_error(self, exc: VlkvError) -> VlkvError:
+        """``exc`` as the client may see it: a documented code, no internal address in the message."""
+        code = exc.code if exc.code in PUBLIC_CODES else Code.UNAVAILABLE
+        message = redact_addresses(exc.message, [*self.router.prefill, *self.router.decode])
+        if code == exc.code and message == exc.message:
+            return exc
+        log.warning("request failed: %s: %s (answered %s)", exc.code.name, exc.message, code.name)
+        return VlkvError(message, code, exc.reason)
+
     async def _generate(self, request, start: float, front: str):
-        req = self._validate(request)
-        rid = req.request_id = request.request_id or uuid.uuid4().hex
+        # Workers key everything on this id, drawn here: two callers (or one caller twice) choosing the
+        # same request_id never meet inside. The caller's id is only echoed back in the responses.
+        rid = uuid.uuid4().hex
+        caller_id = request.request_id or rid
         logs.request_id.set(rid)
+        if request.request_id:
+            log.info("request %s: caller's request_id %r", rid, request.request_id[:MAX_REQUEST_ID])
+        req = await self._validate(request)
+        req.request_id = rid
         layer_tokens = req.compression.layer_tokens_estimate(req.m, self.spec.num_layers)
         sampling = req.sampling
         prefill_req = to_prefill_proto(req, decode_address="")  # serialized once, re-addressed per attempt
@@ -122,7 +187,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
             try:
-                async for resp in self._run(prefill_req, slot, start, rid, front):
+                async for resp in self._run(prefill_req, slot, start, caller_id, front):
                     yield resp
                 return
             except _NoRoom as exc:  # the load it was picked on is stale; the worker's exact count disagreed
@@ -132,9 +197,15 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 log.info("request %s: %s; waiting for room again", rid, exc.error.message)
 
     async def _run(
-        self, prefill_req: worker_pb2.PrefillRequest, slot: DecodeSlot, start: float, rid: str, front: str
+        self,
+        prefill_req: worker_pb2.PrefillRequest,
+        slot: DecodeSlot,
+        start: float,
+        caller_id: str,
+        front: str,
     ):
-        """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there."""
+        """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there;
+        responses carry the caller's id."""
         decode = slot.worker
         deadline = self.cfg.transfer.deadline_s
         decode_call = decode.stub.Decode(
@@ -149,7 +220,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         last = None
         try:
             async for resp in decode_call:
-                resp.request_id = rid
+                resp.request_id = caller_id
                 now = time.perf_counter()
                 if last is None:
                     ttft_ms = (now - start) * 1000
@@ -173,9 +244,8 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 raise failure from None
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise VlkvError(
-                f"decode worker {decode.address} failed: {exc.details()}", _public_code(exc.code())
-            ) from None
+            log.warning("decode worker %s failed: %s: %s", decode.address, exc.code().name, exc.details())
+            raise VlkvError(f"the decode worker failed: {exc.details()}", _public_code(exc.code())) from None
         finally:
             slot.release()
             decode.in_flight -= 1
@@ -197,10 +267,18 @@ def _refused_for_room(error: VlkvError) -> bool:
 
 
 def _public_code(code: grpc.StatusCode) -> grpc.StatusCode:
-    """Internal failures a client cannot act on are reported as UNAVAILABLE (retryable)."""
-    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
-        return grpc.StatusCode.UNAVAILABLE
-    return code
+    """A worker's status as the client sees it (``_WORKER_CODES``): anything but the request's own fault,
+    the pool's room or a deadline is reported as UNAVAILABLE (retryable)."""
+    return _WORKER_CODES.get(code, Code.UNAVAILABLE)
+
+
+def redact_addresses(message: str, known: list[str]) -> str:
+    """``message`` without internal addresses: the ``known`` worker addresses and anything shaped like a
+    host:port, an IP address or a unix socket (grpcio's own details name the peer it failed to reach)."""
+    for address in sorted(known, key=len, reverse=True):
+        if address:
+            message = message.replace(address, "<worker>")
+    return _ADDRESS.sub("<worker>", message)
 
 
 def _prefill_failure(task: asyncio.Future) -> VlkvError | None:

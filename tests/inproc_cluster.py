@@ -26,6 +26,7 @@ class InProcCluster:
         self.processor = load_processor(cfg.model.path)
         self.prefill = self.run(start_prefill_worker(cfg, model=self.model, processor=self.processor))
         self.decode = self.run(start_decode_worker(cfg, model=self.model, tokenizer=self.processor.tokenizer))
+        self.prefill.servicer.allow_decode(self.decode.address)  # as the deployment registers its workers
         self.gateway = self.run(
             start_gateway(cfg, [self.prefill.address], [self.decode.address], processor=self.processor)
         )

@@ -249,13 +249,13 @@ def test_non_finite_cache_is_refused_and_worker_serves_on(cluster, case):
     with pytest.raises(grpc.RpcError) as err:
         cluster.decode_stub.TransferKV(iter(chunks), timeout=30)
     assert err.value.code() == INVALID and "NaN or inf" in err.value.details()
-    assert cluster.pool.num_free == free and rid not in servicer._arrived
+    assert cluster.pool.num_free == free and servicer.rendezvous.num_unclaimed == 0
     _good_then_decode(cluster, f"after-{case}")
     _wait_free(cluster, free)
 
 
 def test_non_finite_logits_fail_only_their_sequence_on_the_server(cluster, monkeypatch):
-    """The model's logits turn NaN for one sequence: that Decode call ends INTERNAL with the reason, the
+    """The model's logits turn NaN for one sequence: that Decode call ends INVALID_ARGUMENT with the reason, the
     sequences decoding beside it finish, and the engine goes on."""
     servicer, free = cluster.decode.servicer, cluster.pool.num_free
     runner = servicer.engine.core.runner
@@ -275,7 +275,7 @@ def test_non_finite_logits_fail_only_their_sequence_on_the_server(cluster, monke
     cluster.decode_stub.TransferKV(iter(chunks), timeout=30)
     with pytest.raises(grpc.RpcError) as err:
         _decode(cluster.decode_stub, "nan-logits", timeout=20)
-    assert err.value.code() == grpc.StatusCode.INTERNAL and "non-finite logits" in err.value.details()
+    assert err.value.code() == INVALID and "non-finite logits" in err.value.details()
     streams.assert_all_finished()
     monkeypatch.undo()
     _wait_free(cluster, free)
@@ -339,8 +339,10 @@ def test_a_fault_in_one_sequence_fails_only_it(monkeypatch, fault):
         monkeypatch.setattr(core_module, "sample_token", raising)
     errors = _run_core(core, blocks)
     assert list(errors) == ["r1"]
-    want = "non-finite logits" if fault == "nan logits" else "boom"
-    assert want in errors["r1"].message and errors["r1"].code == grpc.StatusCode.INTERNAL
+    want, code = (
+        ("non-finite logits", INVALID) if fault == "nan logits" else ("boom", grpc.StatusCode.INTERNAL)
+    )
+    assert want in errors["r1"].message and errors["r1"].code == code
     assert [len(s.generated) for s in seqs] == [6, 3 if fault == "nan logits" else 1, 6]
 
 

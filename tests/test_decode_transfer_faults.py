@@ -134,8 +134,8 @@ def test_pool_full_is_resource_exhausted(cluster):
 def test_unclaimed_cache_is_freed_after_its_lease(cluster):
     servicer = cluster.decode.servicer
     free = cluster.pool.num_free
-    old = servicer.cfg.pool.cache_wait_ms
-    servicer.cfg.pool.cache_wait_ms = 200
+    old = servicer.rendezvous.unclaimed_lease_s
+    servicer.rendezvous.unclaimed_lease_s = 0.2
     try:
         cluster.decode_stub.TransferKV(iter(_stream(cluster, "orphan")), timeout=30)
         assert cluster.pool.num_free < free
@@ -146,7 +146,7 @@ def test_unclaimed_cache_is_freed_after_its_lease(cluster):
             time.sleep(0.05)
         assert cluster.pool.num_free == free
     finally:
-        servicer.cfg.pool.cache_wait_ms = old
+        servicer.rendezvous.unclaimed_lease_s = old
 
 
 def _good_transfer_then_decode(cluster, rid: str) -> None:
@@ -190,12 +190,12 @@ def test_retried_transfer_supersedes_an_unfinished_one(cluster):
     go_on.set()  # the first stream completes after all, but it was superseded
     t.join(30)
     assert outcome["first"] == grpc.StatusCode.ABORTED
-    assert cluster.pool.num_free == free - one and "retried" in servicer._arrived
-    cluster.loop.call_soon_threadsafe(servicer._expire, "retried")
+    assert cluster.pool.num_free == free - one and servicer.rendezvous.num_unclaimed == 1
+    cluster.loop.call_soon_threadsafe(servicer.rendezvous.expire_all)
     deadline = time.time() + 5
     while cluster.pool.num_free != free and time.time() < deadline:
         time.sleep(0.01)
-    assert cluster.pool.num_free == free and not servicer._in_transfer and not servicer._superseded
+    assert cluster.pool.num_free == free and servicer.rendezvous.num_transfers == 0
 
 
 def test_refusal_reaches_a_sender_still_streaming_large_messages(cluster):

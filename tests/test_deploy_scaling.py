@@ -124,7 +124,7 @@ def test_decode_worker_killed_mid_stream(cluster):
     channel.close()
     assert victim is not None
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"decode worker {victim.address} failed" in err.value.details()
+    assert "decode worker failed" in err.value.details() and victim.address not in err.value.details()
     # the dead worker leaves the routing table and a replacement comes up; no block stays allocated anywhere
     assert _wait(
         lambda: (

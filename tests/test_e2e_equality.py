@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.tools.client import build_request, generate
@@ -49,13 +49,24 @@ def reference_tokens(cluster: InProcCluster, images: list[bytes], question: str)
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
-@pytest.fixture(scope="module", params=list(TINY_VARIANTS))
+# Every variant hands its caches over NIXL (one-sided writes into the decode pool); one also over gRPC.
+CASES = [(v, "nixl") for v in TINY_VARIANTS] + [("llava-gqa", "grpc")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{v}-{t}" for v, t in CASES])
 def cluster(request, tiny_model_dirs):
-    path = tiny_model_dirs(request.param)
-    cluster = InProcCluster(ServerConfig(model=ModelConfig(path=path), pool=PoolConfig(pool_bytes=8 << 20)))
-    cluster.variant = request.param
+    variant, transport = request.param
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs(variant)),
+        pool=PoolConfig(pool_bytes=8 << 20),
+        transfer=TransferConfig(kv_transport=transport),
+    )
+    cluster = InProcCluster(cfg)
+    cluster.variant, cluster.transport = variant, transport
     yield cluster
+    received = cluster.decode.servicer.receiver.received
     cluster.close()
+    assert received[transport] > 0 and sum(received.values()) == received[transport], received
 
 
 def test_full_cache_tokens_equal_generate(cluster):
@@ -76,6 +87,8 @@ def test_full_cache_tokens_equal_generate(cluster):
 
 
 def test_inprocess_engine_is_the_served_pipeline(cluster):
+    if cluster.transport != "nixl":
+        pytest.skip("the in-process engine has no hand-off: once per variant is enough")
     engine = InProcessEngine(cluster.model, cluster.processor, pool_bytes=8 << 20)
     free_before = engine.blocks.num_free
     sampling = SamplingConfig(max_new_tokens=MAX_NEW)
@@ -114,6 +127,8 @@ def test_inprocess_engine_is_the_served_pipeline(cluster):
 def test_inprocess_batch_in_a_small_pool_decodes_as_alone(cluster):
     """Sampled requests through a pool too small for all of them at once: preempted sequences swap out
     and back bit for bit, so each gets the tokens it gets alone; every block comes back."""
+    if cluster.transport != "nixl":
+        pytest.skip("the in-process engine has no hand-off: once per variant is enough")
     proc = cluster.processor
     engine = InProcessEngine(cluster.model, proc, pool_bytes=8 << 20)
     requests = [

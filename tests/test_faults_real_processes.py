@@ -235,7 +235,7 @@ def test_decode_worker_stopped_mid_transfer(procs, reference):
         # the sender's deadline ended the hand-off; the client got a defined status, not a hang
         assert call.error is not None and call.finished is None
         assert call.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        assert procs.decode.address in call.error.details()
+        assert procs.decode.address not in call.error.details()  # internal addresses stay in the log
         assert call.ended_at - stopped_at < 3 * DEADLINE_S + 10  # bounded: no timing claim beyond that
         # the prefill workers answer and hold no work: the stuck hand-off was abandoned
         for p in procs.prefill:
@@ -262,7 +262,8 @@ def test_decode_worker_stopped_mid_stream(procs, reference):
         # the gateway's keepalive pings went unanswered: the stream ends with a status, not a hang
         assert call.error is not None and call.finished is None
         assert call.error.code() == grpc.StatusCode.UNAVAILABLE, call.error
-        assert f"decode worker {procs.decode.address} failed" in call.error.details()
+        details = call.error.details()
+        assert "decode worker failed" in details and procs.decode.address not in details, details
         assert call.ended_at - stopped_at < 10 * KEEPALIVE_S + 10  # bounded: no timing claim beyond that
     finally:
         procs.decode.signal(signal.SIGCONT)

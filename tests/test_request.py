@@ -6,10 +6,14 @@ malformed ``PrefillRequest`` with INVALID_ARGUMENT, and refusal reasons round-tr
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+from PIL import Image, ImageDraw
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput, Refusal, refusal_metadata, refusal_of
+from vlkv.common.model.inputs import decode_images, input_side, read_headers
 from vlkv.common.model.loading import load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import (
@@ -113,3 +117,63 @@ def test_refusal_reason_round_trips_through_metadata():
     assert refusal_of(_FakeError(())) == Refusal.REFUSAL_UNSPECIFIED
     assert refusal_of(_FakeError((("vlkv-refusal", "NOT_A_REASON"),))) == Refusal.REFUSAL_UNSPECIFIED
     assert worker_pb2.Refusal.Name(Refusal.REFUSAL_POOL_FULL) == "REFUSAL_POOL_FULL"
+
+
+# -- cheap limits before expensive work; images decoded at the model's size (issue 15, items 5 and 6) -------
+def _image(fmt: str, size: tuple[int, int]) -> bytes:
+    img = Image.new("RGB", size, (200, 40, 40))
+    ImageDraw.Draw(img).rectangle([size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2], fill=(0, 0, 255))
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind, side", [("llava-gqa", 32), ("llava_next-gqa", 64)])
+def test_input_side_is_the_largest_side_the_processor_uses(tiny_model_dirs, kind, side):
+    assert input_side(load_processor(tiny_model_dirs(kind))) == side  # size, or the largest pinpoint
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_large_images_are_decoded_at_the_models_size(fmt):
+    blob = _image(fmt, (2000, 1000))
+    (full,) = decode_images([blob], Limits())
+    assert full.size == (2000, 1000)
+    (small,) = decode_images([blob], Limits(), max_side=32)
+    assert small.mode == "RGB" and 64 <= min(small.size) < 250  # >= 2x the model's side, far below 1000
+    assert abs(small.width / small.height - 2.0) < 0.05
+    (kept,) = decode_images([_image(fmt, (100, 90))], Limits(), max_side=32)
+    assert kept.size == (100, 90)  # under 2x the model's side: as sent
+
+
+def test_the_pixel_limit_per_request_is_read_from_headers_before_decoding(monkeypatch):
+    blobs = [_image("PNG", (3000, 3000))] * 3
+    limits = Limits(max_request_pixels=20_000_000)
+    monkeypatch.setattr(
+        Image.Image, "load", lambda self: pytest.fail("decoded before the limits were checked")
+    )
+    with pytest.raises(InvalidInput, match="over the limit of 20000000 pixels per request"):
+        decode_images(blobs, limits)
+    assert [h.pixels for h in read_headers(blobs[:2], limits)] == [9_000_000, 9_000_000]
+
+
+def test_prompt_bytes_are_checked_before_rendering_or_tokenizing(setup, monkeypatch):
+    processor, spec = setup
+    monkeypatch.setattr(type(processor.tokenizer), "__call__", lambda *a, **k: pytest.fail("tokenized"))
+    for req in (build_request(prompt="é" * 600), build_request(question="é" * 600)):
+        with pytest.raises(InvalidInput, match="the prompt has 1200 bytes, over the limit of 1000 bytes"):
+            prepare_request(req, processor, spec, Limits(max_prompt_bytes=1000), default_seed=0)
+
+
+def test_default_prompt_byte_limit_follows_the_context(setup):
+    processor, spec = setup
+    limit = 32 * spec.context
+    with pytest.raises(InvalidInput, match=f"over the limit of {limit} bytes"):
+        prepare_request(build_request(prompt="a" * (limit + 1)), processor, spec, Limits(), default_seed=0)
+
+
+def test_corrupt_png_chunks_are_invalid_input():
+    png = random_png(3)
+    cut = png.index(b"IDAT") + 40  # inside the IDAT data, then a chunk whose type is not letters
+    corrupt = png[:cut] + b"\x00\x00\x00\x02\x01\x02\x03\x04xx\x00\x00\x00\x00"
+    with pytest.raises(InvalidInput, match="image 0 cannot be decoded"):
+        decode_images([corrupt], Limits())

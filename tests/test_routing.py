@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
+from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig, TransferConfig
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.services.router import DecodeSlot
 from vlkv.tools.client import build_request, generate
@@ -25,6 +25,8 @@ def cluster(tiny_model_dirs):
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
         pool=PoolConfig(pool_bytes=1 << 20, cache_wait_ms=600_000),
         queue=QueueConfig(admit_wait_s=2.0),
+        # the test parks orphan caches to fill a pool: a long unclaimed lease, no per-sender bound
+        transfer=TransferConfig(unclaimed_lease_s=600, max_unclaimed_per_sender=10_000),
     )
     c = InProcCluster(cfg)
     c.second = c.run(start_decode_worker(cfg, model=c.model, tokenizer=c.processor.tokenizer))
@@ -78,8 +80,7 @@ def test_requests_go_to_the_worker_with_room(cluster):
         time.sleep(0.01)
     assert cluster.gateway.servicer.router.num_queued == 1
     for servicer in (cluster.decode.servicer, cluster.second.servicer):
-        for rid in list(servicer._arrived):
-            cluster.loop.call_soon_threadsafe(servicer._expire, rid)
+        cluster.loop.call_soon_threadsafe(servicer.rendezvous.expire_all)
     waiter.join(30)
     assert result["out"].finished is not None and cluster.gateway.servicer.router.num_queued == 0
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), cluster.loop).result(5)
@@ -112,8 +113,7 @@ def test_cache_refused_for_room_is_sent_again_after_waiting(cluster, monkeypatch
     assert router.num_queued == 1 and "out" not in result  # refused at hand-off, now waiting for room
     assert metrics.registry.get_sample_value("vlkv_hand_off_retries_total") == retries + 1
     for servicer in (cluster.decode.servicer, cluster.second.servicer):
-        for rid in list(servicer._arrived):
-            cluster.loop.call_soon_threadsafe(servicer._expire, rid)
+        cluster.loop.call_soon_threadsafe(servicer.rendezvous.expire_all)
     waiter.join(30)
     assert result["out"].finished is not None and result["out"].token_ids
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0.1), cluster.loop).result(5)

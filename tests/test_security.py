@@ -1,11 +1,16 @@
-"""TLS on every channel, mutual TLS between workers, and the public API's bearer token."""
+"""TLS on every channel, mutual TLS between workers, the public API's bearer token, and the internal token
+that authenticates calls to the worker ports when there is no mutual TLS (issue 15, item 4)."""
 
 from __future__ import annotations
 
+import argparse
+
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vlkv.common.config import ConfigError, ModelConfig, PoolConfig, SecurityConfig, ServerConfig
 from vlkv.common.grpc_server import channel_options
+from vlkv.tools.cli import _add_server_flags, _server_config
 from vlkv.tools.client import build_request, connect, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -90,3 +95,138 @@ def test_workers_require_a_client_certificate_from_our_ca(cluster, pki):
 def test_insecure_mode_only_on_loopback(tiny_model_dirs):
     with pytest.raises(ConfigError, match="without TLS"):
         ServerConfig(model=ModelConfig(path=tiny_model_dirs("llava-gqa")), host="0.0.0.0")
+
+
+# -- TLS and tokens without mutual TLS: the worker ports take only calls carrying the internal token ------
+INTERNAL = "internal-s3cret"
+
+
+@pytest.fixture(scope="module")
+def token_cluster(tiny_model_dirs, pki):
+    """TLS on every channel, the public bearer token, no client certificates: what `vlkv serve --tls-cert
+    ... --api-token ...` runs (it draws the internal token itself)."""
+    sec = SecurityConfig(
+        cert=pki["cert"], key=pki["key"], ca=pki["ca"], api_token=TOKEN, internal_token=INTERNAL
+    )
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
+        pool=PoolConfig(pool_bytes=2 << 20),
+        security=sec,
+    )
+    c = InProcCluster(cfg, client=False)
+    yield c
+    c.close()
+
+
+class _Token(grpc.AuthMetadataPlugin):
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __call__(self, context, callback) -> None:
+        callback((("vlkv-internal-token", self.value),), None)
+
+
+def _creds(pki, internal_token: str | None):
+    """What a peer holding only the public CA certificate can build (plus a token, if it has one)."""
+    creds = grpc.ssl_channel_credentials(open(pki["ca"], "rb").read())
+    if internal_token is not None:
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.metadata_call_credentials(_Token(internal_token))
+        )
+    return creds
+
+
+def _call(address: str, creds, service: str, method) -> grpc.StatusCode:
+    """Call ``method`` of ``service`` with an empty message (raw bytes); the status it ends with."""
+    path = f"/{service}/{method.name}"
+    with grpc.secure_channel(address, creds, options=channel_options(1 << 20)) as ch:
+        kind = {
+            (False, False): ch.unary_unary,
+            (False, True): ch.unary_stream,
+            (True, False): ch.stream_unary,
+            (True, True): ch.stream_stream,
+        }[(method.client_streaming, method.server_streaming)]
+        call = kind(path)
+        request = iter([b""]) if method.client_streaming else b""
+        try:
+            out = call(request, timeout=10)
+            if method.server_streaming:
+                list(out)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def _worker_methods(cluster):
+    for address, name in (
+        (cluster.decode.address, "DecodeWorker"),
+        (cluster.prefill.address, "PrefillWorker"),
+    ):
+        service = worker_pb2.DESCRIPTOR.services_by_name[name]
+        for method in service.methods:
+            yield address, service.full_name, method
+
+
+def test_tls_and_token_without_mtls_serve_a_request(token_cluster, pki):
+    out = _ask(token_cluster.gateway.address, token=TOKEN, ca=pki["ca"])
+    assert out.finished is not None and out.finished.usage.generated_tokens >= 1
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong-token", TOKEN])
+def test_worker_ports_refuse_peers_without_the_internal_token(token_cluster, pki, token):
+    """With only the public CA certificate (and no token, a wrong one, or the public API's token), every
+    worker method ends UNAUTHENTICATED before it runs: GetLoad, Prefill, TransferKV, Decode and the rest."""
+    creds = _creds(pki, token)
+    seen = {}
+    for address, service, method in _worker_methods(token_cluster):
+        seen[f"{service}/{method.name}"] = _call(address, creds, service, method)
+    assert {"vlkv.v1.DecodeWorker/TransferKV", "vlkv.v1.PrefillWorker/Prefill"} <= set(seen)
+    assert set(seen.values()) == {grpc.StatusCode.UNAUTHENTICATED}, seen
+
+
+def test_worker_ports_serve_the_internal_token_and_health_stays_open(token_cluster, pki):
+    load = None
+    with grpc.secure_channel(
+        token_cluster.decode.address, _creds(pki, INTERNAL), options=channel_options(1 << 20)
+    ) as ch:
+        load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
+    assert load.total_blocks > 0
+    with grpc.secure_channel(token_cluster.prefill.address, _creds(pki, None)) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_exposed_workers_need_mtls_or_an_internal_token(tiny_model_dirs, pki):
+    model = ModelConfig(path=tiny_model_dirs("llava-gqa"))
+    tls = dict(cert=pki["cert"], key=pki["key"], ca=pki["ca"], api_token=TOKEN)
+    with pytest.raises(ConfigError, match="unauthenticated worker ports"):
+        ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls))
+    ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls, internal_token=INTERNAL))
+    ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls, mutual_tls=True))
+    with pytest.raises(ConfigError, match="needs TLS"):
+        SecurityConfig(internal_token=INTERNAL)
+
+
+def test_vlkv_serve_draws_an_internal_token_when_tls_has_no_mtls(pki, monkeypatch):
+    monkeypatch.delenv("VLKV_INTERNAL_TOKEN", raising=False)
+
+    def config(*extra):
+        parser = argparse.ArgumentParser()
+        _add_server_flags(parser)
+        args = [
+            "--host",
+            "0.0.0.0",
+            "--tls-cert",
+            pki["cert"],
+            "--tls-key",
+            pki["key"],
+            "--tls-ca",
+            pki["ca"],
+        ]
+        return _server_config(parser.parse_args([*args, "--api-token", TOKEN, *extra])).security
+
+    drawn = [config().internal_token for _ in range(2)]
+    assert all(len(t) >= 32 for t in drawn) and drawn[0] != drawn[1]
+    assert config("--internal-token", INTERNAL).internal_token == INTERNAL
+    mtls = config("--mtls")
+    assert mtls.mutual_tls and not mtls.internal_token

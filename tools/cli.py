@@ -7,6 +7,7 @@ import asyncio
 import io
 import logging
 import os
+import secrets
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from vlkv.common.config import (
     QueueConfig,
     SecurityConfig,
     ServerConfig,
+    TransferConfig,
 )
 
 POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv, random, full"
@@ -32,6 +34,7 @@ def _server_config(args) -> ServerConfig:
             ca=args.tls_ca,
             mutual_tls=args.mtls,
             api_token=args.api_token,
+            internal_token=_internal_token(args),
         ),
         pool=PoolConfig(
             pool_bytes=int(args.pool_mb * (1 << 20)),
@@ -41,8 +44,17 @@ def _server_config(args) -> ServerConfig:
             swap_bytes=int(args.swap_mb * (1 << 20)),
         ),
         queue=QueueConfig(max_waiting=args.max_waiting),
+        transfer=TransferConfig(kv_transport=args.kv_transport),
         host=args.host,
     )
+
+
+def _internal_token(args) -> str:
+    """The secret internal calls carry: given, or drawn at random when TLS is on without --mtls (every
+    worker gets it with the rest of the configuration), so worker ports never take unauthenticated calls."""
+    if args.internal_token or not args.tls_cert or args.mtls:
+        return args.internal_token
+    return secrets.token_urlsafe(32)
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -77,6 +89,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--swap-mb", type=float, default=0, help="host memory for preempted sequences (0: = pool)")
     p.add_argument(
+        "--kv-transport",
+        choices=["auto", "grpc", "nixl"],
+        default="auto",
+        help="how caches go from prefill to decode: nixl (one-sided writes into the decode pool, "
+        "unencrypted: trusted fabrics only), grpc, or auto (nixl where both workers have it and TLS is off)",
+    )
+    p.add_argument(
         "--max-waiting", type=int, default=256, help="requests queued while no decode worker has room"
     )
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
@@ -88,6 +107,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtls", action="store_true", help="workers require and verify client certificates")
     p.add_argument(
         "--api-token", default=os.environ.get("VLKV_API_TOKEN", ""), help="bearer token for clients"
+    )
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("VLKV_INTERNAL_TOKEN", ""),
+        help="secret every internal call carries (default with TLS and no --mtls: a random one)",
     )
 
 
@@ -221,40 +245,63 @@ def _png(img) -> bytes:
 
 def cmd_demo(args) -> int:
     from vlkv.tools.client import build_request, connect, generate
-    from vlkv.tools.task.synthetic_task import is_correct, make_examples
+    from vlkv.tools.demo_summary import DemoSummary
+    from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, is_correct, make_examples
 
     examples = make_examples(args.n, seed=args.seed, split="heldout")
+    compare = args.compare_full and args.policy != "full"
 
     async def body(cluster) -> int:
         channel, stub = connect(cluster.address, token=args.api_token, ca=args.tls_ca)
-        correct = 0
+        summary = DemoSummary(args.policy, args.budget)
         try:
             for i, ex in enumerate(examples):
-                req = build_request(
-                    images=[_png(im) for im in ex.images],
-                    question=ex.question,
-                    max_new_tokens=8,
-                    policy=args.policy,
-                    budget=args.budget,
-                )
-                out = await asyncio.to_thread(generate, stub, req, 120)
+                images = [_png(im) for im in ex.images]
+
+                def ask(policy, budget, images=images, question=ex.question):
+                    req = build_request(
+                        images=images,
+                        question=question,
+                        max_new_tokens=MAX_NEW_TOKENS,
+                        policy=policy,
+                        budget=budget,
+                    )
+                    return asyncio.to_thread(generate, stub, req, 300)
+
+                out = await ask(args.policy, args.budget)
                 ok = is_correct(out.text, ex)
-                correct += ok
+                ref = await ask("full", None) if compare else None
+                summary.add(out, ok, ref, is_correct(ref.text, ex) if ref else None)
                 u = out.finished.usage
                 print(f"[{i + 1}/{len(examples)}] {len(ex.images)} image(s) | Q: {ex.question}")
                 print(f"    A: {out.text.strip()!r} (expected {ex.answer!r}) {'correct' if ok else 'WRONG'}")
+                if ref is not None:
+                    same = "same" if ref.text.strip() == out.text.strip() else "differs"
+                    print(f"    full cache: {ref.text.strip()!r} ({same})")
                 print(
                     f"    prompt {u.prompt_tokens} tokens ({u.vision_tokens} vision), generated "
                     f"{u.generated_tokens}, KV kept {u.kv_bytes_kept}/{u.kv_bytes_full} bytes "
                     f"(ratio {u.compression_ratio:.3f}, {u.policy}), TTFT {u.ttft_ms:.0f} ms",
                     flush=True,
                 )
+            pool = _decode_pool(cluster.address, args)
         finally:
             channel.close()
-        print(f"{correct}/{len(examples)} answered correctly")
-        return 0 if correct > 0 else 1
+        print(summary.render(pool, block_size=args.block_size, max_new_tokens=MAX_NEW_TOKENS))
+        return 0 if summary.correct > 0 else 1
 
     return asyncio.run(_with_cluster(args, body))
+
+
+def _decode_pool(address: str, args) -> tuple[int, int] | None:
+    """(blocks, workers) of the first decode worker's pool, from the gateway's admin API."""
+    from vlkv.tools.client import open_channel
+    from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+    with open_channel(address, token=args.api_token, ca=args.tls_ca) as channel:
+        st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)
+    decode = [w for w in st.workers if w.kind == "decode" and w.total_blocks]
+    return (decode[0].total_blocks, len(decode)) if decode else None
 
 
 def cmd_status(args) -> int:
@@ -295,6 +342,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.api:
+        from vlkv.tools.eval.api_check import run_api_check
+
+        return run_api_check(args)
     from vlkv.tools.eval.report import run_eval
 
     return run_eval(args)
@@ -343,10 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_flags(p)
     p.add_argument("-n", type=int, default=4, help="number of questions")
     p.add_argument("--seed", type=int, default=0)
-    # The full cache by default: the demo shows the served path answering; pass --policy/--budget to see what
-    # compression keeps (`vlkv eval --table` measures it across budgets).
-    p.add_argument("--policy", default="full", help=POLICY_HELP)
-    p.add_argument("--budget", type=float, default=None)
+    # VL-Cache at 10% by default, each question also asked with the full cache for the summary's comparison
+    # (`vlkv eval --table` measures accuracy across policies and budgets).
+    p.add_argument("--policy", default="vlcache", help=POLICY_HELP)
+    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument(
+        "--no-compare-full",
+        dest="compare_full",
+        action="store_false",
+        help="do not ask each question a second time with the full cache",
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("status", help="workers, their load, KV pool occupancy and requests in flight")
@@ -361,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("-n", type=int, default=200, help="held-out examples")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--table", action="store_true", help="sweep every policy over the Table-1 budgets")
     p.add_argument(
@@ -373,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--exact-budget", action="store_true", help="sparsity allocator: hit alpha * L * m exactly"
     )
+    p.add_argument(
+        "--api",
+        action="store_true",
+        help="ask every question through a local gateway + workers (real gRPC) at full and --policy at "
+        "--budgets; compare with the in-process answers -> api_check.md",
+    )
+    p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
+    p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
     p.set_defaults(func=cmd_eval)
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # but orders of magnitude slower), used only where its C extension is missing.
 CRC32C_IMPLEMENTATION: str = google_crc32c.implementation
 _crc32c_value = google_crc32c.value
+_crc32c_extend = google_crc32c.extend
 
 if CRC32C_IMPLEMENTATION == "c":
 
@@ -44,12 +45,20 @@ if CRC32C_IMPLEMENTATION == "c":
         """
         return _crc32c_value(buf if type(buf) is bytes else np.frombuffer(buf, dtype=np.uint8))
 
+    def crc32c_extend(crc: int, buf: bytes | bytearray | memoryview | np.ndarray) -> int:
+        """CRC-32C of the bytes that gave ``crc`` followed by ``buf`` (no copy of ``buf``)."""
+        return _crc32c_extend(crc, buf if type(buf) in (bytes, np.ndarray) else np.frombuffer(buf, np.uint8))
+
 else:  # pragma: no cover - only where the wheel's C extension cannot load
     log.warning("google_crc32c has no C extension here: KV chunk checksums use pure Python (slow)")
 
     def crc32c(buf: bytes | bytearray | memoryview) -> int:
         """CRC-32C of ``buf`` (pure Python: correct, slow)."""
         return _crc32c_value(bytes(buf))
+
+    def crc32c_extend(crc: int, buf: bytes | bytearray | memoryview | np.ndarray) -> int:
+        """CRC-32C of the bytes that gave ``crc`` followed by ``buf`` (pure Python: correct, slow)."""
+        return _crc32c_extend(crc, bytes(memoryview(buf).cast("B")))
 
 
 _KV_CHUNK_DATA_TAG = 0x12  # KVChunk field 2 (data), length-delimited

@@ -1,10 +1,8 @@
-"""How a compact cache travels: a sender interface and its gRPC streaming implementation.
+"""The gRPC KV transport: the cache's bytes in client-streaming ``TransferKV`` messages.
 
-``KVSender.send(header, layers)`` takes the header chunk (from ``wire.encode_header``) and an
-iterable of per-layer ``(K, V)`` that may still be producing later layers while earlier ones are on the
-wire. Two implementations: ``GrpcKVSender`` below (across nodes, client-streaming ``TransferKV``) and
-``torch_dist.TorchDistKVSender`` (NCCL/gloo point-to-point on one node; tested, but no worker
-constructs it yet: the NIXL issue gives the hand-off its one sender/receiver seam).
+``GrpcKVSender.send(header, cache)`` (the ``transport.KVSender`` seam) takes the header chunk (from
+``wire.encode_header``) and a ``CompactKV`` or an iterable of per-layer ``(K, V)`` that may still be producing
+later layers while earlier ones are on the wire. The other transport is ``nixl_sender.NixlKVSender``.
 
 gRPC flow control: grpc.aio writes one message at a time and ``await``s each write until HTTP/2 flow
 control admits it, so a slow decode worker slows the sender; nothing is buffered without bound.
@@ -19,7 +17,6 @@ import asyncio
 import ctypes
 import ctypes.util
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from typing import Protocol
 
 import grpc
 import torch
@@ -34,14 +31,6 @@ TRANSFER_KV_METHOD = "/vlkv.v1.DecodeWorker/TransferKV"
 MESSAGE_OVERHEAD_BYTES = 1 << 17
 
 Layers = Iterable[tuple[torch.Tensor, torch.Tensor]]
-
-
-class KVSender(Protocol):
-    """Hands one compact cache to a decode worker."""
-
-    async def send(self, header: kv_pb2.KVChunk, layers: Layers) -> worker_pb2.TransferAck:
-        """Send ``header`` then every layer of ``layers`` as it is produced; raise on refusal."""
-        ...
 
 
 def grpc_message_options(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, int]]:
@@ -72,6 +61,15 @@ def _serialize(chunk: kv_pb2.KVChunk | bytes) -> bytes:
     return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
 
 
+async def _delayed(chunks: Iterator, delay_s: float) -> AsyncIterator:
+    """Fault injection for tests (``TransferConfig.fault_chunk_delay_ms``): pause before every chunk after
+    the header, so the decode worker has reserved the blocks and the hand-off is visibly in flight."""
+    for i, chunk in enumerate(chunks):
+        if i:
+            await asyncio.sleep(delay_s)
+        yield chunk
+
+
 async def _offload(chunks: Iterator[kv_pb2.KVChunk]) -> AsyncIterator[kv_pb2.KVChunk]:
     """Pull a sync chunk iterator in a worker thread so layer gathering never blocks the event loop."""
     done = object()
@@ -97,6 +95,7 @@ class GrpcKVSender:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float | None = 60.0,
         offload: bool = False,
+        chunk_delay_s: float = 0.0,
     ) -> None:
         self._call = channel.stream_unary(
             method,
@@ -106,15 +105,22 @@ class GrpcKVSender:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.offload = offload
+        self.chunk_delay_s = chunk_delay_s  # fault injection for tests: a pause before each data chunk
 
-    async def send(self, header: kv_pb2.KVChunk, layers: Layers) -> worker_pb2.TransferAck:
+    transport = "grpc"
+
+    async def send(self, header: kv_pb2.KVChunk, layers: Layers | CompactKV) -> worker_pb2.TransferAck:
         """Encode lazily (layer by layer) and stream; returns the decode worker's ack.
 
         With ``offload`` each chunk is produced in a worker thread (use it when producing a layer blocks,
         e.g. waiting for a GPU gather); otherwise production runs on the event loop, which is faster for
         tensors already in host memory (no thread hop and GIL hand-off per chunk).
         """
+        if isinstance(layers, CompactKV):
+            layers = zip(layers.keys, layers.values, strict=True)
         chunks = encode_stream(header, layers, self.chunk_bytes, wire=True)
+        if self.chunk_delay_s:
+            return await self.send_chunks(_delayed(chunks, self.chunk_delay_s))
         return await self.send_chunks(_offload(chunks) if self.offload else chunks)
 
     async def send_chunks(

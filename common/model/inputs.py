@@ -7,11 +7,14 @@ tau = m.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
 
@@ -53,32 +56,135 @@ class PreparedInputs:
     modality: ModalityMap
 
 
-def decode_images(blobs: list[bytes], limits: Limits) -> list[Image.Image]:
-    """Decode PNG/JPEG bytes into RGB images, enforcing byte and pixel limits."""
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image's header says, read without decoding its pixels."""
+
+    format: str
+    width: int
+    height: int
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+
+def read_headers(blobs: list[bytes], limits: Limits) -> list[ImageHeader]:
+    """The cheap checks, before any pixel is decoded: count, bytes, format, pixels per image and in total.
+
+    Only headers are parsed here (a few KiB of each blob at most), so a request that would be refused for
+    its size costs next to nothing."""
     if len(blobs) > limits.max_images:
         raise InvalidInput(f"{len(blobs)} images exceed the limit of {limits.max_images}")
-    images = []
+    headers, total = [], 0
     for i, blob in enumerate(blobs):
         if not blob:
             raise InvalidInput(f"image {i} is empty")
         if len(blob) > limits.max_image_bytes:
             raise InvalidInput(f"image {i} has {len(blob)} bytes, over the limit of {limits.max_image_bytes}")
-        try:
+        with _undecodable(i):
+            with Image.open(io.BytesIO(blob)) as img:
+                fmt, (w, h) = img.format, img.size
+        if fmt not in ALLOWED_FORMATS:
+            raise InvalidInput(f"image {i} is {fmt}; only PNG and JPEG are accepted")
+        if w * h > limits.max_image_pixels:
+            raise InvalidInput(f"image {i} is {w}x{h}, over the limit of {limits.max_image_pixels} pixels")
+        total += w * h
+        if total > limits.max_request_pixels:
+            raise InvalidInput(
+                f"the images hold {total} pixels or more, over the limit of {limits.max_request_pixels} pixels "
+                "per request"
+            )
+        headers.append(ImageHeader(fmt, w, h))
+    return headers
+
+
+def decode_images(
+    blobs: list[bytes], limits: Limits, max_side: int = 0, headers: list[ImageHeader] | None = None
+) -> list[Image.Image]:
+    """Decode PNG/JPEG bytes into RGB images, enforcing byte and pixel limits (``read_headers``) first.
+
+    ``max_side``: the largest side the model's processor resizes an image to (``input_side``); 0 keeps the
+    images as sent. Larger images are decoded smaller, while still at least twice ``max_side`` on their
+    short side (the processor's own resize then only downscales, as Pillow's ``thumbnail`` does): JPEG
+    through the decoder's DCT scaling (``draft``: fewer pixels decoded at all), PNG by ``reduce`` right
+    after decoding, so a request holds one full-size image at a time. ``headers``: ``read_headers``'s
+    answer for these blobs, if the caller has it already."""
+    headers = read_headers(blobs, limits) if headers is None else headers
+    images = []
+    for i, (blob, header) in enumerate(zip(blobs, headers, strict=True)):
+        factor = min(header.width, header.height) // (2 * max_side) if max_side > 0 else 1
+        with _undecodable(i):
             img = Image.open(io.BytesIO(blob))
-            if img.format not in ALLOWED_FORMATS:
-                raise InvalidInput(f"image {i} is {img.format}; only PNG and JPEG are accepted")
-            w, h = img.size
-            if w * h > limits.max_image_pixels:
-                raise InvalidInput(
-                    f"image {i} is {w}x{h}, over the limit of {limits.max_image_pixels} pixels"
-                )
+            if factor >= 2 and img.format == "JPEG":
+                img.draft("RGB", (header.width // factor, header.height // factor))
             img.load()
+            factor = min(img.size) // (2 * max_side) if max_side > 0 else 1
+            if factor >= 2:
+                if img.mode not in _REDUCIBLE_MODES:
+                    img = img.convert("RGB")
+                img = img.reduce(factor)
             images.append(img.convert("RGB"))
-        except InvalidInput:
-            raise
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise InvalidInput(f"image {i} cannot be decoded: {exc}") from None
+            del img
     return images
+
+
+_REDUCIBLE_MODES = {"RGB", "RGBA", "L", "LA", "I", "F"}
+
+
+@contextmanager
+def _undecodable(i: int):
+    """Any failure of the image library on image ``i`` is the input's fault: InvalidInput, never UNKNOWN
+    (Pillow raises SyntaxError, struct.error, EOFError, zlib.error ... on corrupt files)."""
+    try:
+        yield
+    except InvalidInput:
+        raise
+    except MemoryError:
+        raise InvalidInput(f"image {i} is too large to decode") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder raised, the bytes are to blame
+        raise InvalidInput(f"image {i} cannot be decoded: {exc}") from None
+
+
+def input_side(processor) -> int:
+    """The largest side (pixels) the processor resizes or crops an image to, 0 if it does not say: the
+    ``size``/``crop_size`` of a LLaVA image processor, the largest grid pinpoint of a LLaVA-NeXT one."""
+    ip = getattr(processor, "image_processor", None)
+    sides = []
+    for name in ("size", "crop_size"):
+        value = getattr(ip, name, None)
+        if isinstance(value, int):
+            sides.append(value)
+            continue
+        for key in _SIDE_KEYS:  # a dict, or transformers' SizeDict
+            side = value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+            if isinstance(side, int):
+                sides.append(side)
+    for point in getattr(ip, "image_grid_pinpoints", None) or ():
+        sides += [v for v in point if isinstance(v, int)]
+    return max(sides, default=0)
+
+
+_SIDE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width")
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``): decoded images are large, short-lived
+    allocations that glibc otherwise keeps in the process after a large request."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
 
 
 def count_placeholders(text: str, processor) -> int:
@@ -94,7 +200,7 @@ def prepare_inputs(processor, images: list[Image.Image], prompt: str, image_toke
         )
     try:
         batch = processor(images=images or None, text=prompt, return_tensors="pt")
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the inputs were checked; whatever it refuses is the input's
         raise InvalidInput(f"the processor rejected the input: {exc}") from None
     input_ids = batch.pop("input_ids")
     batch.pop("attention_mask", None)

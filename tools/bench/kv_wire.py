@@ -31,6 +31,11 @@ and the product path (which adds CRC-32C on both ends, ~0.09 s/GB each, and the 
 message) sits about 10-15 points below it. At the 10% budget, 66 messages of ~0.4 MB each, the
 per-message cost dominates.
 
+- NIXL: the product's ``NixlKVSender`` against the decode worker's own receiver (``kv_receiver``: a real
+  ``KVCache`` pool): header over gRPC, regions back, each layer packed into block order and written by NIXL
+  (UCX) straight into the pool blocks, per-layer CRC-32C checked where the bytes landed (no copy on the
+  decode side), then the ack. Set ``UCX_TLS=tcp`` for the cross-node path (UCX over TCP sockets) on one host.
+
     python -m vlkv.tools.bench.kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
 """
 
@@ -58,14 +63,17 @@ from vlkv.common.handoff.grpc_transport import (
     kv_receiver_handler,
     tune_malloc,
 )
-from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_stream
+from vlkv.common.handoff.nixl_agent import NixlAgent
+from vlkv.common.handoff.nixl_sender import NixlKVSender, StagingPool
+from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_header, encode_stream
+from vlkv.tools.bench import kv_receiver
 from vlkv.v1 import worker_pb2
 
 LAYOUT = (32, 8, 128, torch.float16)  # L, H_kv, D, dtype
 PROMPT = 2048
 FINGERPRINT = "bench-7b-shape"
 GRPC_FRAMING = 5  # gRPC's length prefix per message (HTTP/2 frame headers not counted)
-KINDS = ("grpc", "tcp", "tcp_fmt", "grpc_raw")
+KINDS = ("grpc", "tcp", "tcp_fmt", "grpc_raw", "nixl")
 
 
 def make_cache(budget: float, seed: int = 0) -> CompactKV:
@@ -169,6 +177,23 @@ async def _grpc_once(sender: GrpcKVSender, ckv: CompactKV) -> float:
     return elapsed
 
 
+async def _nixl_once(sender: NixlKVSender, ckv: CompactKV, rid: str) -> float:
+    header = encode_header(
+        request_id=rid,
+        fingerprint=kv_receiver.FINGERPRINT,
+        dtype=ckv.dtype,
+        num_kv_heads=ckv.num_kv_heads,
+        head_dim=ckv.head_dim,
+        layer_lengths=ckv.layer_lengths,
+        prompt_length=ckv.prompt_length,
+    )
+    start = time.perf_counter()
+    ack = await sender.send(header, ckv)
+    elapsed = time.perf_counter() - start
+    assert ack.bytes_received == ckv.nbytes, ack
+    return elapsed
+
+
 def _tcp_once(port: int, ckv: CompactKV, blobs: list[bytes], chunk_bytes: int, framed: bool) -> float:
     with socket.create_connection(("127.0.0.1", port)) as s:
         start = time.perf_counter()
@@ -212,13 +237,23 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     for p in servers:
         p.start()
         ports.append(port_q.get(timeout=60))
+    # NIXL: the decode worker's own receiver (TransferReceiver over a real KV pool, 16-token blocks)
+    servers.append(ctx.Process(target=kv_receiver.serve, args=([LAYOUT], port_q, stop, 320), daemon=True))
+    servers[-1].start()
+    ports.append(port_q.get(timeout=120)[0][0])
     rows = []
     loop = asyncio.new_event_loop()  # one long-lived channel, as a prefill worker keeps per decode worker
     channel, sender = loop.run_until_complete(_connect(ports[0], chunk_bytes))
     raw_channel, raw_sender = loop.run_until_complete(_connect(ports[2], chunk_bytes))
+    nixl_channel, _ = loop.run_until_complete(_connect(ports[3], chunk_bytes))
+    agent = NixlAgent("prefill")
+    nixl_address = f"127.0.0.1:{ports[3]}"
+    nixl_sender = NixlKVSender(nixl_channel, nixl_address, agent, StagingPool(agent), timeout_s=120)
+    sent = iter(range(1 << 30))  # request ids: each hand-off is a new request
     try:
         loop.run_until_complete(_grpc_once(sender, make_cache(0.05)))  # connect and warm up
         loop.run_until_complete(_grpc_raw_once(raw_sender, [b"warm-up"]))
+        loop.run_until_complete(_nixl_once(nixl_sender, make_cache(1.0), "warm-up"))  # staging registered
         for budget in (0.1, 1.0):
             ckv = make_cache(budget)
             stream = encode_compact_kv(
@@ -232,12 +267,14 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
                 "tcp": servers[1].pid,
                 "tcp_fmt": servers[1].pid,
                 "grpc_raw": servers[2].pid,
+                "nixl": servers[3].pid,
             }
             runs = {
                 "grpc": lambda c=ckv: loop.run_until_complete(_grpc_once(sender, c)),
                 "tcp": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=False),
                 "tcp_fmt": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=True),
                 "grpc_raw": lambda b=blobs: loop.run_until_complete(_grpc_raw_once(raw_sender, b)),
+                "nixl": lambda c=ckv: loop.run_until_complete(_nixl_once(nixl_sender, c, f"r{next(sent)}")),
             }
             for _ in range(repeats):
                 for kind, fn in runs.items():
@@ -263,8 +300,12 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
             row["grpc_vs_tcp_fmt"] = statistics.median(
                 f / g for g, f in zip(secs["grpc"], secs["tcp_fmt"], strict=True)
             )
+            row["nixl_vs_tcp"] = statistics.median(
+                g / t for g, t in zip(secs["tcp"], secs["nixl"], strict=True)
+            )
             rows.append(row)
     finally:
+        loop.run_until_complete(nixl_channel.close())
         loop.run_until_complete(channel.close())
         loop.run_until_complete(raw_channel.close())
         loop.close()
@@ -288,17 +329,17 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
         f"load avg (1/5/15 min) before {load[0]}, after {load[1]}, {os.cpu_count()} CPUs"
     )
     print(
-        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt  raw | gRPC/TCP"
-        "  raw/TCP  gRPC/TCP+fmt | CPU s/GB: gRPC   TCP  TCP+fmt  raw"
+        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt  raw  NIXL | "
+        "gRPC/TCP  raw/TCP  gRPC/TCP+fmt  NIXL/TCP | CPU s/GB: gRPC   TCP  TCP+fmt  raw  NIXL"
     )
     for r in rows:
         print(
             f"{r['budget']:>6.0%}  {r['ratio']:>7.4f}  {r['payload'] / 1e6:>10.2f}  {r['wire'] - r['payload']:>11}  "
             f"{r['wire_vs_full']:>9.2%}  {r['messages']:>4} |      {r['grpc_gbps']:>4.2f}  {r['tcp_gbps']:>4.2f}  "
-            f"{r['tcp_fmt_gbps']:>7.2f} {r['grpc_raw_gbps']:>4.2f} | {r['grpc_vs_tcp']:>8.0%}  "
-            f"{r['grpc_raw_vs_tcp']:>7.0%}  {r['grpc_vs_tcp_fmt']:>12.0%} |"
+            f"{r['tcp_fmt_gbps']:>7.2f} {r['grpc_raw_gbps']:>4.2f} {r['nixl_gbps']:>5.2f} | {r['grpc_vs_tcp']:>8.0%}  "
+            f"{r['grpc_raw_vs_tcp']:>7.0%}  {r['grpc_vs_tcp_fmt']:>12.0%}  {r['nixl_vs_tcp']:>8.0%} |"
             f"           {r['grpc_cpu_s_per_gb']:>4.2f}  {r['tcp_cpu_s_per_gb']:>4.2f}  "
-            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f} {r['grpc_raw_cpu_s_per_gb']:>4.2f}"
+            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f} {r['grpc_raw_cpu_s_per_gb']:>4.2f} {r['nixl_cpu_s_per_gb']:>5.2f}"
         )
     for r in rows:
         split = ", ".join(
@@ -308,6 +349,7 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
                 ("tcp", "TCP"),
                 ("tcp_fmt", "TCP+fmt"),
                 ("grpc_raw", "gRPC raw"),
+                ("nixl", "NIXL"),
             )
         )
         print(f"{r['budget']:>6.0%}  CPU s/GB send/recv: {split}")
@@ -328,12 +370,13 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
         "tcp": "plain TCP",
         "tcp_fmt": "TCP + same format work",
         "grpc_raw": "gRPC raw (grpcio alone)",
+        "nixl": "NIXL (one-sided writes into the pool)",
     }
     for i, (kind, name) in enumerate(names.items()):
         ax2.bar(
-            [x + (i - 1.5) * 0.2 for x in range(len(rows))],
+            [x + (i - 2) * 0.16 for x in range(len(rows))],
             [r[f"{kind}_gbps"] for r in rows],
-            0.2,
+            0.16,
             label=name,
         )
     ax2.set(title="loopback throughput (GB/s)", xticks=range(len(rows)), xticklabels=labels, xlabel="budget")

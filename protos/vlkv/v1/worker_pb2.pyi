@@ -18,6 +18,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_LAYOUT_MISMATCH: _ClassVar[Refusal]
     REFUSAL_HAND_OFF_FAILED: _ClassVar[Refusal]
     REFUSAL_SUPERSEDED: _ClassVar[Refusal]
+    REFUSAL_TRANSPORT_UNAVAILABLE: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 REFUSAL_POOL_FULL: Refusal
 REFUSAL_NEVER_FITS: Refusal
@@ -25,6 +26,7 @@ REFUSAL_FINGERPRINT_MISMATCH: Refusal
 REFUSAL_LAYOUT_MISMATCH: Refusal
 REFUSAL_HAND_OFF_FAILED: Refusal
 REFUSAL_SUPERSEDED: Refusal
+REFUSAL_TRANSPORT_UNAVAILABLE: Refusal
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "sampling", "compression", "decode_address", "input_ids", "vision_spans", "model_inputs")
@@ -129,3 +131,61 @@ class WorkerLoad(_message.Message):
     swapped: int
     preemptions: int
     def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
+class NixlTransferRequest(_message.Message):
+    __slots__ = ("open", "done")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    open: NixlOpen
+    done: NixlDone
+    def __init__(self, open: _Optional[_Union[NixlOpen, _Mapping]] = ..., done: _Optional[_Union[NixlDone, _Mapping]] = ...) -> None: ...
+
+class NixlOpen(_message.Message):
+    __slots__ = ("header", "known_agent")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_AGENT_FIELD_NUMBER: _ClassVar[int]
+    header: _kv_pb2.KVHeader
+    known_agent: str
+    def __init__(self, header: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., known_agent: _Optional[str] = ...) -> None: ...
+
+class NixlDone(_message.Message):
+    __slots__ = ("layer_crc32c",)
+    LAYER_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    layer_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class NixlTransferReply(_message.Message):
+    __slots__ = ("regions", "ack")
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    regions: NixlRegions
+    ack: TransferAck
+    def __init__(self, regions: _Optional[_Union[NixlRegions, _Mapping]] = ..., ack: _Optional[_Union[TransferAck, _Mapping]] = ...) -> None: ...
+
+class NixlRegions(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "mem_type", "device_id", "block_size", "write_window_ms", "layers")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    device_id: int
+    block_size: int
+    write_window_ms: int
+    layers: _containers.RepeatedCompositeFieldContainer[NixlLayerRegions]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_size: _Optional[int] = ..., write_window_ms: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[NixlLayerRegions, _Mapping]]] = ...) -> None: ...
+
+class NixlLayerRegions(_message.Message):
+    __slots__ = ("key_addrs", "value_addrs", "lengths")
+    KEY_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    key_addrs: _containers.RepeatedScalarFieldContainer[int]
+    value_addrs: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key_addrs: _Optional[_Iterable[int]] = ..., value_addrs: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -157,6 +157,11 @@ class DecodeWorkerStub:
                 request_serializer=vlkv_dot_v1_dot_kv__pb2.KVChunk.SerializeToString,
                 response_deserializer=vlkv_dot_v1_dot_worker__pb2.TransferAck.FromString,
                 _registered_method=True)
+        self.TransferKVNixl = channel.stream_stream(
+                '/vlkv.v1.DecodeWorker/TransferKVNixl',
+                request_serializer=vlkv_dot_v1_dot_worker__pb2.NixlTransferRequest.SerializeToString,
+                response_deserializer=vlkv_dot_v1_dot_worker__pb2.NixlTransferReply.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/vlkv.v1.DecodeWorker/Decode',
                 request_serializer=vlkv_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
@@ -174,6 +179,14 @@ class DecodeWorkerServicer:
 
     def TransferKV(self, request_iterator, context):
         """Receives one request's compact cache (header, layer chunks, trailer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferKVNixl(self, request_iterator, context):
+        """The same hand-off over NIXL: the header and control messages travel here, the K/V bytes are written
+        by the prefill worker straight into the blocks this call hands out (see NixlTransferRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,6 +212,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.TransferKV,
                     request_deserializer=vlkv_dot_v1_dot_kv__pb2.KVChunk.FromString,
                     response_serializer=vlkv_dot_v1_dot_worker__pb2.TransferAck.SerializeToString,
+            ),
+            'TransferKVNixl': grpc.stream_stream_rpc_method_handler(
+                    servicer.TransferKVNixl,
+                    request_deserializer=vlkv_dot_v1_dot_worker__pb2.NixlTransferRequest.FromString,
+                    response_serializer=vlkv_dot_v1_dot_worker__pb2.NixlTransferReply.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -238,6 +256,33 @@ class DecodeWorker:
             '/vlkv.v1.DecodeWorker/TransferKV',
             vlkv_dot_v1_dot_kv__pb2.KVChunk.SerializeToString,
             vlkv_dot_v1_dot_worker__pb2.TransferAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferKVNixl(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vlkv.v1.DecodeWorker/TransferKVNixl',
+            vlkv_dot_v1_dot_worker__pb2.NixlTransferRequest.SerializeToString,
+            vlkv_dot_v1_dot_worker__pb2.NixlTransferReply.FromString,
             options,
             channel_credentials,
             insecure,

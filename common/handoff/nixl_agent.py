@@ -1,0 +1,174 @@
+"""A worker's NIXL agent: registered memory, remote peers, one-sided writes (``nixl-cu12``, over UCX).
+
+One ``NixlAgent`` per worker (``transport.nixl_agent_for``). The decode worker registers its
+KV pool once; the prefill worker registers staging buffers (``StagingPool``). Agent metadata is bytes that
+NIXL itself produces and parses (connection info and registration keys, never pickled here); it travels
+over the workers' gRPC channel (TLS and tokens as configured), never through NIXL's own listener, which
+stays off. A peer is known by its agent name, which carries a per-process token, so a restarted peer is
+a new name: ``peer()`` loads its metadata and forgets the stale one; a failure to load or to write is a
+``NixlError``, never a crash.
+
+NIXL moves bytes unencrypted and a registered region can be written by any peer holding its metadata:
+use it on trusted fabrics only (see README, "KV transport").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO otherwise
+POLL_S = 0.0002  # between checks of a posted transfer (NIXL's progress thread does the work)
+
+
+class NixlError(Exception):
+    """A NIXL operation failed (library missing, bad peer metadata, a write that ended in error)."""
+
+
+@functools.cache
+def nixl_available() -> str:
+    """'' when the NIXL Python API (``nixl-cu12``) and its UCX backend load here, else why not."""
+    try:
+        from nixl_cu12 import nixl_agent  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - missing wheel, missing shared libraries, wrong platform
+        return f"nixl is not installed or cannot load: {exc!r}"
+    return ""
+
+
+def mem_type(t: torch.Tensor) -> str:
+    return "DRAM" if t.device.type == "cpu" else "VRAM"
+
+
+def device_id(t: torch.Tensor) -> int:
+    return 0 if t.device.type == "cpu" else t.device.index or 0
+
+
+class NixlAgent:
+    def __init__(self, role: str) -> None:
+        why = nixl_available()
+        if why:
+            raise NixlError(why)
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+
+        self.name = f"vlkv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            # No progress thread: it spins on a core for ever. The sender progresses its writes while it
+            # waits for them (``wait``); a receiver progresses while a transfer writes into it (``progress``).
+            conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self._agent = nixl_agent(self.name, conf)
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"cannot start a NIXL agent: {exc!r}") from exc
+        if "UCX" not in self._agent.backends:
+            raise NixlError("NIXL has no UCX backend here")
+        self._lock = threading.Lock()  # registrations and peer loads may come from worker threads
+        self._peers: dict[str, str] = {}  # an address we send to -> the agent name loaded for it
+
+    @property
+    def metadata(self) -> bytes:
+        """This agent's metadata (its registrations included): what a peer needs to write here."""
+        return self._agent.get_agent_metadata()
+
+    def register(self, tensors: list[torch.Tensor]):
+        with self._lock:
+            return self._agent.register_memory(tensors)
+
+    def deregister(self, handle) -> None:
+        with self._lock:
+            self._agent.deregister_memory(handle)
+
+    def known_peer(self, address: str) -> str:
+        return self._peers.get(address, "")
+
+    def peer(self, address: str, name: str, metadata: bytes) -> str:
+        """Make ``name`` (the agent behind ``address``) writable; ``metadata`` when it is new to us."""
+        with self._lock:
+            old = self._peers.get(address)
+            if old == name:
+                return name
+            if not metadata:
+                raise NixlError(f"no NIXL metadata for the new peer agent {name!r} at {address}")
+            if old:
+                self._forget(address)
+            try:
+                loaded = self._agent.add_remote_agent(metadata)
+            except Exception as exc:  # noqa: BLE001 - stale or corrupt metadata
+                raise NixlError(f"cannot load the NIXL metadata of {address}: {exc!r}") from exc
+            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+            if loaded != name:
+                self._agent.remove_remote_agent(loaded)
+                raise NixlError(f"{address} sent metadata of agent {loaded!r}, not of {name!r}")
+            self._peers[address] = name
+            return name
+
+    def forget(self, address: str) -> None:
+        """Drop the agent loaded for ``address`` (after a failed write: the peer may have restarted)."""
+        with self._lock:
+            self._forget(address)
+
+    def _forget(self, address: str) -> None:
+        name = self._peers.pop(address, "")
+        if name:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - already gone
+                log.debug("removing NIXL peer %s failed", name, exc_info=True)
+
+    async def progress_until(self, done: asyncio.Future) -> None:
+        """Drive this agent's transports until ``done`` (a receiver, while a peer writes into it: UCX over
+        TCP needs the target to progress; over shared memory it costs one cheap call per poll)."""
+        while not done.done():
+            try:
+                self._agent.get_new_notifs()  # progresses the UCX worker
+            except Exception:  # noqa: BLE001
+                log.debug("NIXL progress failed", exc_info=True)
+            await asyncio.sleep(POLL_S)
+
+    def post(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str):
+        """Start a WRITE of ``local`` regions (Nx3 uint64: address, bytes, device) into ``remote`` ones of
+        ``peer``; returns the handle for ``wait``."""
+        try:
+            src = self._agent.get_xfer_descs(local, mem)
+            dst = self._agent.get_xfer_descs(remote, mem)
+            handle = self._agent.initialize_xfer("WRITE", src, dst, peer)
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"NIXL write to {peer} could not start: {exc!r}") from exc
+        if state == "ERR":
+            self._release(handle)
+            raise NixlError(f"NIXL write to {peer} failed to post")
+        return handle
+
+    async def wait(self, handles: list, deadline: float, stop=None) -> None:
+        """Wait until every posted write is done; past the monotonic ``deadline``, when ``stop()`` turns
+        true, or on an error, every write still in flight is aborted (released) and NixlError raised."""
+        try:
+            pending = list(handles)
+            while pending:
+                state = self._agent.check_xfer_state(pending[0])
+                if state == "DONE":
+                    self._release(pending.pop(0))
+                    continue
+                if state != "PROC":
+                    raise NixlError(f"a NIXL write failed ({state})")
+                if time.monotonic() > deadline or (stop is not None and stop()):
+                    raise NixlError("NIXL writes did not finish in time")
+                await asyncio.sleep(POLL_S)
+        finally:
+            for h in handles:
+                self._release(h)
+
+    @staticmethod
+    def _release(handle) -> None:
+        try:
+            handle.release()  # aborts a write still in flight; idempotent
+        except Exception:  # noqa: BLE001 - a write that could not be cancelled stays with the agent
+            log.warning("a NIXL write could not be released")

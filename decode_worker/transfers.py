@@ -2,8 +2,9 @@
 
 Both transports end the same way (``TransferReceiver._arrive``): the header checked against this model
 once (``admit``: layout, fingerprint, sampling, ids inside the vocabulary), blocks taken under the admission
-policy, the K/V in those blocks and checked (finite; for NIXL, the sender's per-layer CRC-32C over what
-landed), then the sequence handed to its ``Decode`` call through the ``Rendezvous``.
+policy, the K/V in those blocks and checked (gRPC: finite here; NIXL: the sender's per-layer CRC-32C over
+what landed, each layer checksummed as its write's notification arrives, the bytes checked finite by the
+sender before it wrote them), then the sequence handed to its ``Decode`` call through the ``Rendezvous``.
 
 Limits on what one sender can hold (issue 15): at most ``max_transfers`` hand-offs at once (more are refused
 with RESOURCE_EXHAUSTED); each ends at ``deadline_s`` and when no message comes for ``idle_s`` (blocks
@@ -28,7 +29,7 @@ from vlkv.common import logs
 from vlkv.common.config import DecodeConfig
 from vlkv.common.errors import Refusal, VlkvError, abort_with
 from vlkv.common.handoff.assembler import KVAssembler, validate_header
-from vlkv.common.handoff.block_layout import block_runs, ceil_div, runs_crc32c, runs_finite
+from vlkv.common.handoff.block_layout import block_runs, ceil_div, runs_crc32c
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.nixl_agent import NixlAgent, device_id, mem_type
 from vlkv.common.handoff.wire import KVWireError
@@ -238,6 +239,13 @@ class TransferReceiver:
     async def nixl_stream(self, requests, context):
         """``TransferKVNixl``: open -> regions -> (the sender writes) -> done -> checksums -> ack."""
         if self.nixl is None:
+            # read the sender's open first: a status sent while its write is still in flight can reach
+            # grpcio's client as "INTERNAL: Internal error from Core", which ``auto`` would not fall back on
+            it = requests.__aiter__()
+            try:
+                await self._next(it, time.monotonic() + min(1.0, self.t.idle_s), "open")
+            except KVWireError:
+                pass
             await abort_with(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -262,16 +270,19 @@ class TransferReceiver:
             rid = header.request_id
             window = min(self.t.write_window_s, deadline - time.monotonic())
             window_end = time.monotonic() + window
-            yield worker_pb2.NixlTransferReply(
-                regions=self._regions(header, blocks, first.open.known_agent, window)
-            )
-            writing = asyncio.get_running_loop().create_future()
-            progress = asyncio.ensure_future(self.nixl.progress_until(writing))
+            landed: dict[int, int] = {}  # layer -> CRC-32C of what landed there
+            layers = self.nixl.watch(rid)  # the sender's per-layer notifications
             try:
-                done = await self._next(it, min(deadline, window_end), "done")
+                yield worker_pb2.NixlTransferReply(
+                    regions=self._regions(header, blocks, first.open.known_agent, window)
+                )
+                checker = asyncio.ensure_future(self._check_landed(header, blocks, layers, landed))
+                try:
+                    done = await self._next(it, min(deadline, window_end), "done")
+                finally:
+                    checker.cancel()
             finally:
-                writing.set_result(None)
-                await progress
+                self.nixl.unwatch(rid, layers)
             if done is None or done.WhichOneof("part") != "done":
                 raise KVWireError(grpc.StatusCode.INVALID_ARGUMENT, "expected the sender's done")
             window_end = 0.0  # the sender wrote everything: the blocks may be freed at once from here on
@@ -279,7 +290,7 @@ class TransferReceiver:
                 raise KVWireError(
                     grpc.StatusCode.CANCELLED, f"request {rid!r} was cancelled during its hand-off"
                 )
-            self._verify(header, blocks, list(done.done.layer_crc32c))
+            self._verify(header, blocks, list(done.done.layer_crc32c), landed)
             held, blocks = blocks, None
             self._arrive(header, sampling, held, transfer, sender)
             self.received["nixl"] += 1
@@ -330,24 +341,40 @@ class TransferReceiver:
             layer.lengths.extend(n * block_bytes for _, n in runs)
         return out
 
-    def _verify(self, header, blocks: SequenceBlocks, crcs: list[int]) -> None:
-        """What landed is what was sent (CRC-32C per layer, read in place) and finite."""
+    def _landed(self, header, blocks: SequenceBlocks, layer: int) -> int:
+        """CRC-32C of layer ``layer``'s K then V blocks where they landed (read in place, no copy)."""
+        cache = self.kv_cache
+        k = header.layer_lengths[layer]
+        runs = block_runs(blocks.tables[layer][: ceil_div(k, cache.block_size)])
+        return runs_crc32c(cache.v, runs, runs_crc32c(cache.k, runs))
+
+    async def _check_landed(
+        self, header, blocks: SequenceBlocks, layers: asyncio.Queue, landed: dict
+    ) -> None:
+        """Checksum each layer the sender reports written while it writes the next ones (its ``done`` then
+        only compares); a layer whose checksum differs is read again at ``done``."""
+        while True:
+            layer = await layers.get()
+            if 0 <= layer < len(header.layer_lengths) and layer not in landed:
+                landed[layer] = self._landed(header, blocks, layer)
+                await asyncio.sleep(0)  # one layer at a time: other calls run in between
+
+    def _verify(self, header, blocks: SequenceBlocks, crcs: list[int], landed: dict[int, int]) -> None:
+        """What landed is what was sent (CRC-32C per layer, read in place): the layers checksummed as they
+        landed (``landed``) are compared, the rest (and any mismatch: it may have been read before its
+        bytes landed) are read now. The sender checked those bytes finite before writing them (the gRPC
+        path checks here instead), so they need no second read."""
         if len(crcs) != len(header.layer_lengths):
             raise KVWireError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(crcs)} checksums for {len(header.layer_lengths)} layers",
             )
-        cache = self.kv_cache
-        for layer, (k, table, want) in enumerate(zip(header.layer_lengths, blocks.tables, crcs, strict=True)):
-            runs = block_runs(table[: ceil_div(k, cache.block_size)])
-            got = runs_crc32c(cache.v, runs, runs_crc32c(cache.k, runs))
-            if got != want:
+        for layer, want in enumerate(crcs):
+            if landed.get(layer) == want:
+                continue
+            if self._landed(header, blocks, layer) != want:
                 raise KVWireError(
                     grpc.StatusCode.DATA_LOSS, f"CRC-32C mismatch in layer {layer} after the NIXL write"
-                )
-            if not (runs_finite(cache.k, runs) and runs_finite(cache.v, runs)):
-                raise KVWireError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"the cache holds NaN or inf in layer {layer}"
                 )
 
 

@@ -2,7 +2,7 @@
 ``TransferReceiver`` over a real pool) in a child process, the prefill side's ``NixlKVSender`` here.
 
 Round trips are bit-exact for every KV dtype and per-layer lengths from 1 up; each fault (checksum mismatch,
-a sender that never says done, a sender killed mid-write, a receiver killed mid-write, NIXL absent on the
+a non-finite cache, a sender that never says done, a sender killed mid-write, a receiver killed mid-write, NIXL absent on the
 receiving side) ends with its status, the receiver serves on and its pool returns to its free count.
 """
 
@@ -23,7 +23,7 @@ from vlkv.common.errors import Refusal
 from vlkv.common.handoff import nixl_sender
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.grpc_transport import grpc_message_options
-from vlkv.common.handoff.nixl_agent import NixlAgent, nixl_available
+from vlkv.common.handoff.nixl_agent import NixlAgent, nixl_available, notif_key, parse_notif
 from vlkv.common.handoff.nixl_sender import NixlKVSender, StagingPool
 from vlkv.common.handoff.wire import KVWireError, encode_header
 from vlkv.prefill_worker.peers import DecodePeers
@@ -161,6 +161,23 @@ def test_round_trip_between_processes_is_bit_exact(sender, receiver, dtype):
         assert (r.dump / f"rt-{dtype}-{i}.kv").read_bytes() == expected_bytes(ckv)
     assert r.load().waiting == before + 2 and r.load().running == 0  # both over NIXL, none over gRPC
     assert r.wait_free()
+
+
+def test_layer_notifications_parse_as_text_and_odd_ones_are_ignored():
+    assert parse_notif(notif_key("req:1", 7)) == ("req:1", 7)
+    for odd in (b"", b"vlkv-kv:", b"vlkv-kv:r:x", b"vlkv-kv:\xff:1", b"other:r:1", "vlkv-kv:r:1"):
+        assert parse_notif(odd) == (None, -1)
+
+
+def test_non_finite_cache_is_refused_by_the_sender_and_pool_returns(sender, receiver):
+    r = receiver.use(torch.float16)
+    ckv = make_cache(torch.float16)
+    ckv.values[2][0, 3, 1] = float("nan")
+    with pytest.raises(KVWireError) as err:
+        sender.send(r.address, ckv, "nan")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert r.wait_free(timeout=5)  # the call was cancelled mid-write: freed when its window (1.5 s) closed
+    assert not (r.dump / "nan.kv").exists()
 
 
 def test_checksum_mismatch_is_data_loss_and_pool_returns(sender, receiver, monkeypatch):

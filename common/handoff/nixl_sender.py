@@ -7,7 +7,10 @@
 2. <- ``regions``: per layer, runs of the blocks allocated for this request (plus the decode agent's
    metadata when ours is missing or stale: a restarted decode worker has a new agent name).
 3. each layer is packed into block order in a registered staging buffer (``block_layout.pack_layer``),
-   checksummed, and written into its runs with one NIXL WRITE per layer, posted as soon as it is packed.
+   checksummed and checked finite while it is in cache (the decode worker's CRC-32C then proves it holds
+   exactly these bytes, so it need not read them a second time), and written into its runs with one NIXL
+   WRITE per layer, posted as soon as it is packed, from a ring of ``SLOTS`` layer-sized slots, with a
+   notification (``notif_key``) so the decode worker checksums that layer while the next is written.
 4. -> ``done`` with the per-layer CRC-32C once every write completed; <- the ack once the decode worker's
    checksums of what landed match. Any failure before that is a ``KVWireError`` with the decode worker's
    status, or UNAVAILABLE (REFUSAL_HAND_OFF_FAILED) for a transport failure; writes still in flight are
@@ -23,14 +26,15 @@ import grpc
 import numpy as np
 import torch
 from vlkv.common.errors import Refusal, refusal_of
-from vlkv.common.handoff.block_layout import pack_layer, packed_bytes, tensor_crc32c
+from vlkv.common.handoff.block_layout import pack_layer, packed_bytes, packed_finite, tensor_crc32c
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.handoff.nixl_agent import NixlAgent, NixlError, device_id, mem_type
+from vlkv.common.handoff.nixl_agent import NixlAgent, NixlError, device_id, mem_type, notif_key
 from vlkv.common.handoff.wire import KVWireError
 from vlkv.v1 import kv_pb2, worker_pb2
 
 TRANSFER_KV_NIXL_METHOD = "/vlkv.v1.DecodeWorker/TransferKVNixl"
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+SLOTS = 2  # staging slots of one packed layer each: layer i is packed while layer i - 1 is written
 
 
 class StagingPool:
@@ -117,22 +121,32 @@ class NixlKVSender:
             packed_bytes(k.shape[1], block, cache.num_kv_heads, cache.head_dim, k0.element_size())
             for k in cache.keys
         ]
-        staged = self.staging.acquire(2 * sum(sizes), k0.device)
+        slot_bytes = 2 * max(sizes)  # one layer's K and V, packed
+        staged = self.staging.acquire(SLOTS * slot_bytes, k0.device)
         buf = staged[0]
         mem, dev = mem_type(buf), device_id(buf)
-        handles: list = []
+        in_slot: list = [None] * SLOTS  # the write still reading each slot, if any
         crcs: list[int] = []
         ended = asyncio.ensure_future(call.read())  # the decode worker ending the call early stops the writes
         try:
-            off = 0
             for layer, (k, v, size, runs) in enumerate(
                 zip(cache.keys, cache.values, sizes, regions.layers, strict=True)
             ):
+                slot = layer % SLOTS
+                if in_slot[slot] is not None:  # the write of layer - SLOTS still reads this slot
+                    h, in_slot[slot] = in_slot[slot], None
+                    await self.agent.wait([h], deadline, ended.done)
+                off = slot * slot_bytes
                 local, crc = [], 0
                 for src in (k, v):
+                    in_slot = _progress(self.agent, in_slot)
                     dst = buf[off : off + size]
                     pack_layer(dst, src, block)
-                    crc = tensor_crc32c(dst, crc)
+                    crc = tensor_crc32c(dst, crc)  # while the packed bytes are still in cache
+                    if not packed_finite(dst, src.dtype):
+                        raise KVWireError(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"the cache holds NaN or inf in layer {layer}"
+                        )
                     pos = 0
                     for n in runs.lengths:
                         local.append((dst.data_ptr() + pos, n))
@@ -143,12 +157,14 @@ class NixlKVSender:
                 crcs.append(crc)
                 if ended.done() or time.monotonic() > deadline:
                     raise NixlError(f"the write window closed at layer {layer}")
-                handles.append(self.agent.post(peer, _descs(local, dev), _descs(remote, dev), mem))
+                note = notif_key(header.request_id, layer)  # the receiver checksums this layer meanwhile
+                in_slot[slot] = self.agent.post(peer, _descs(local, dev), _descs(remote, dev), mem, note)
                 if self.layer_delay_s:
-                    await self.agent.wait(handles, deadline, ended.done)
-                    handles = []
+                    live, in_slot = [h for h in in_slot if h is not None], [None] * SLOTS
+                    await self.agent.wait(live, deadline, ended.done)
                     await asyncio.sleep(self.layer_delay_s)
-            await self.agent.wait(handles, deadline, ended.done)
+            live, in_slot = [h for h in in_slot if h is not None], [None] * SLOTS
+            await self.agent.wait(live, deadline, ended.done)
         except NixlError:
             if ended.done() and not ended.cancelled():  # the decode worker ended the call: its status
                 ended.result()  # raises the call's AioRpcError
@@ -157,12 +173,23 @@ class NixlKVSender:
             ended.cancel()  # the call itself is cancelled by ``send``
             raise
         finally:
+            for h in in_slot:  # aborts writes still in flight (an error before ``wait``)
+                if h is not None:
+                    self.agent.release(h)
             self.staging.release(staged)
         if ended.done():
             ended.result()  # the call's status, if it ended with one
             raise KVWireError(grpc.StatusCode.INTERNAL, "the decode worker replied before the writes ended")
         await call.write(worker_pb2.NixlTransferRequest(done=worker_pb2.NixlDone(layer_crc32c=crcs)))
         return _part(await ended, "ack")
+
+
+def _progress(agent: NixlAgent, in_slot: list) -> list:
+    """Progress the writes in flight (UCX over TCP moves bytes only when asked); ``in_slot`` without the
+    finished ones, which are released."""
+    live = [h for h in in_slot if h is not None]
+    agent.poll(live)
+    return [h if any(h is x for x in live) else None for h in in_slot]
 
 
 def _part(reply, want: str):

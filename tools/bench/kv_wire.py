@@ -32,9 +32,13 @@ message) sits about 10-15 points below it. At the 10% budget, 66 messages of ~0.
 per-message cost dominates.
 
 - NIXL: the product's ``NixlKVSender`` against the decode worker's own receiver (``kv_receiver``: a real
-  ``KVCache`` pool): header over gRPC, regions back, each layer packed into block order and written by NIXL
-  (UCX) straight into the pool blocks, per-layer CRC-32C checked where the bytes landed (no copy on the
-  decode side), then the ack. Set ``UCX_TLS=tcp`` for the cross-node path (UCX over TCP sockets) on one host.
+  ``KVCache`` pool): header over gRPC, regions back, each layer packed into block order (a two-layer
+  staging ring, checksummed and checked finite while in cache) and written by NIXL (UCX; ``cma`` on one
+  node: one kernel copy) straight into the pool blocks with a per-layer notification, each layer's CRC-32C
+  taken where it landed as its notification arrives (no copy on the decode side), then done and the ack.
+  Set ``UCX_TLS=tcp`` for the cross-node path (UCX over TCP sockets) on one host. Per byte NIXL does one
+  pack copy, the UCX copy, a CRC-32C on each side and a finiteness pass; the TCP column does two kernel
+  copies and nothing else, so on a machine short of CPU the ratio follows the CPU per GB.
 
     python -m vlkv.tools.bench.kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
 """

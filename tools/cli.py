@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="start a local cluster and answer synthetic questions with the default model"
     )
     _add_server_flags(p)
-    p.add_argument("-n", type=int, default=4, help="number of questions")
+    p.add_argument("-n", type=int, default=8, help="number of questions")
     p.add_argument("--seed", type=int, default=0)
     # VL-Cache at 10% by default, each question also asked with the full cache for the summary's comparison
     # (`vlkv eval --table` measures accuracy across policies and budgets).

@@ -13,7 +13,7 @@ from vlkv.tools.eval.evaluation import cache_hit_rate, evaluate, prepare
 from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import make_examples
 
-TABLE_BUDGETS = (0.01, 0.05, 0.10, 0.20, 0.40, 1.0)
+TABLE_BUDGETS = (0.01, 0.02, 0.05, 0.10, 0.20, 1.0)
 HIT_RATE_POLICIES = ("vlcache", "h2o", "zipcache", "snapkv", "streamingllm", "random")
 
 
@@ -84,6 +84,7 @@ def _table(args, model, processor, prepared, full, start) -> int:
     ]
     for policy, by_budget in rows.items():
         md.append(f"| {policy} | " + " | ".join(f"{by_budget[b].accuracy:.3f}" for b in TABLE_BUDGETS) + " |")
+    md += _relative_and_kinds(rows, full, prepared)
     md += ["", "Realized compression ratio (sum k_l / (L m)):", ""]
     md.append("| policy | " + " | ".join(f"{b:.0%}" for b in TABLE_BUDGETS) + " |")
     md.append("| --- |" + " --- |" * len(TABLE_BUDGETS))
@@ -108,6 +109,40 @@ def _table(args, model, processor, prepared, full, start) -> int:
     print("\n".join(md))
     print(f"wrote {out / 'table.md'} and {out / 'accuracy_vs_budget.png'}")
     return 0
+
+
+def _relative_and_kinds(rows, full, prepared) -> list[str]:
+    """vlcache's accuracy relative to the full cache, the best baseline per budget, and accuracy per kind."""
+    from vlkv.tools.task.synthetic_task import is_correct
+
+    md = [
+        "",
+        "Relative to the full cache (accuracy / full-cache accuracy), vlcache vs the best baseline:",
+        "",
+    ]
+    md += ["| budget | vlcache | best baseline | vlcache >= every baseline |", "| --- | --- | --- | --- |"]
+    for b in TABLE_BUDGETS:
+        vl = rows["vlcache"][b].accuracy
+        others = {p: r[b].accuracy for p, r in rows.items() if p != "vlcache"}
+        best = max(others, key=others.get)
+        rel = vl / full.accuracy if full.accuracy else 0.0
+        brel = others[best] / full.accuracy if full.accuracy else 0.0
+        md.append(f"| {b:.0%} | {rel:.3f} | {brel:.3f} ({best}) | {'yes' if vl >= others[best] else 'no'} |")
+    kinds = sorted({p.example.kind for p in prepared})
+
+    def per_kind(answers) -> list[str]:
+        out = []
+        for k in kinds:
+            pairs = [(a, p) for a, p in zip(answers, prepared, strict=True) if p.example.kind == k]
+            out.append(f"{sum(is_correct(a, p.example) for a, p in pairs) / len(pairs):.3f} (n={len(pairs)})")
+        return out
+
+    md += ["", "Accuracy per question kind:", ""]
+    md += ["| run | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
+    md.append("| full cache | " + " | ".join(per_kind(full.answers)) + " |")
+    for b in (0.10, 0.05, 0.02):
+        md.append(f"| vlcache {b:.0%} | " + " | ".join(per_kind(rows["vlcache"][b].answers)) + " |")
+    return md
 
 
 def _plot(rows, full_acc: float, path: Path) -> None:

@@ -51,7 +51,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+def chat_template(system_prompt: str | None = None) -> str:
+    """``CHAT_TEMPLATE``, with ``system_prompt`` written first when the chat does not start with its own."""
+    if not system_prompt:
+        return CHAT_TEMPLATE
+    if any(c in system_prompt for c in "{}%'\""):
+        raise ValueError("the system prompt must not contain template syntax or quotes")
+    head = "{{- bos_token -}}"
+    default = f"{{%- if messages[0]['role'] != 'system' %}} SYSTEM : {system_prompt}{{%- endif -%}}"
+    return head + default + CHAT_TEMPLATE[len(head) :]
+
+
+def build_tokenizer(words: list[str], system_prompt: str | None = None) -> PreTrainedTokenizerFast:
     """Word-level tokenizer over ``SPECIAL_TOKENS + FRAME_WORDS + words`` (duplicates dropped, order kept).
 
     Text is split on whitespace and punctuation; decoding joins words with single spaces. No BOS/EOS is
@@ -78,7 +89,7 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template(system_prompt)
     return fast
 
 
@@ -201,10 +212,11 @@ def build_tiny(
     kind: Kind = "llava",
     image_size: int = 96,
     patch_size: int = 12,
+    system_prompt: str | None = None,
     **cfg_kwargs,
 ):
     """Convenience: (tokenizer, processor, config) that agree on vocab and special-token ids."""
-    tok = build_tokenizer(words)
+    tok = build_tokenizer(words, system_prompt)
     proc = build_processor(tok, image_size=image_size, patch_size=patch_size, kind=kind)
     cfg = tiny_llava_config(
         vocab_size=len(tok),

@@ -123,3 +123,19 @@ def test_save_and_reload(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     with torch.no_grad():
         assert torch.equal(model(**a).logits, model2(**b).logits)
+
+
+def test_chat_template_writes_a_default_system_prompt_only_when_the_chat_has_none():
+    from vlkv.tools.task.tiny_llava import build_tokenizer
+
+    tok = build_tokenizer(["what", "is", "it", "look"], system_prompt="look at it .")
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it ?"}]}]
+    text = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert text == "<s> SYSTEM : look at it . USER : <image> what is it ? ASSISTANT :"
+    own = [{"role": "system", "content": "it is"}, *user]
+    text = tok.apply_chat_template(own, tokenize=False, add_generation_prompt=True)
+    assert text.count("SYSTEM") == 1 and "look at it" not in text
+    plain = build_tokenizer(["what"]).apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert "SYSTEM" not in plain
+    with pytest.raises(ValueError):
+        build_tokenizer(["what"], system_prompt="{{ evil }}")

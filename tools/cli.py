@@ -284,7 +284,7 @@ def cmd_demo(args) -> int:
                     f"(ratio {u.compression_ratio:.3f}, {u.policy}), TTFT {u.ttft_ms:.0f} ms",
                     flush=True,
                 )
-            pool = _decode_pool(cluster.address, args)
+            pool = await asyncio.to_thread(_decode_pool, cluster.address, args)
         finally:
             channel.close()
         print(summary.render(pool, block_size=args.block_size, max_new_tokens=MAX_NEW_TOKENS))
@@ -295,11 +295,16 @@ def cmd_demo(args) -> int:
 
 def _decode_pool(address: str, args) -> tuple[int, int] | None:
     """(blocks, workers) of the first decode worker's pool, from the gateway's admin API."""
+    import grpc
     from vlkv.tools.client import open_channel
     from vlkv.v1 import admin_pb2, admin_pb2_grpc
 
-    with open_channel(address, token=args.api_token, ca=args.tls_ca) as channel:
-        st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)
+    try:
+        with open_channel(address, token=args.api_token, ca=args.tls_ca) as channel:
+            st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)
+    except grpc.RpcError as exc:
+        print(f"(no pool figures: the admin API answered {exc.code().name})", file=sys.stderr)
+        return None
     decode = [w for w in st.workers if w.kind == "decode" and w.total_blocks]
     return (decode[0].total_blocks, len(decode)) if decode else None
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
-from vlkv.common.handoff.wire import KVWireError
+from vlkv.common.handoff.wire import KVWireError, encode_header
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import BlockManager
@@ -21,7 +21,7 @@ from vlkv.decode_worker.engine import DecodeEngine, Sequence
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.tools.client import build_request, generate
-from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2
+from vlkv.v1 import generate_pb2, worker_pb2
 
 from tests.inproc_cluster import InProcCluster
 from tests.test_e2e_equality import random_png
@@ -217,10 +217,20 @@ def test_request_that_can_never_fit_is_refused(tiny_model_dirs):
             generate(c.stub, req)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "needs more KV blocks than a decode worker holds" in err.value.details()
-        header = kv_pb2.KVHeader(request_id="big", layer_lengths=[27, 27])  # the decode worker checks too
-        header.sampling.max_new_tokens = 4 * POOL_BLOCKS
+        receiver = c.decode.servicer.receiver  # the decode worker checks too
+        spec = receiver.spec
+        header = encode_header(
+            request_id="big",
+            fingerprint=spec.fingerprint,
+            dtype=spec.dtype,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            layer_lengths=[27] * spec.num_layers,
+            prompt_length=27,
+            sampling=generate_pb2.SamplingParams(max_new_tokens=4 * POOL_BLOCKS),
+        ).header
         with pytest.raises(KVWireError) as err:
-            c.decode.servicer._allocate(header)
+            receiver.admit(header, "127.0.0.1", object())
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the pool has" in str(err.value)
         assert c.pool.num_free == POOL_BLOCKS
     finally:

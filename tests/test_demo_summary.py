@@ -49,4 +49,6 @@ def test_summary_without_pool_or_comparison():
     s = DemoSummary("full", None)
     s.add(_out("there are two .", 1000, 1000, [600] * 4, 600), True)
     text = s.render(None, block_size=16, max_new_tokens=12)
-    assert "1/1 compressed" in text and "full cache;" not in text and "KV pool" not in text
+    assert "1/1 with the full cache" in text and "identical" not in text and "KV pool" not in text
+    want = 32768 // blocks_needed([600] * 4, 12, 16)
+    assert f"holds {want} sequences of this size with the full cache" in s.render((32768, 1), 16, 12)

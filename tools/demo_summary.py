@@ -46,7 +46,9 @@ class DemoSummary:
     def render(self, pool: tuple[int, int] | None, block_size: int, max_new_tokens: int) -> str:
         label = self.policy if self.budget is None else f"{self.policy} at {self.budget:.0%}"
         lines = [f"summary ({label}, {self.n} questions through the public gRPC API):"]
-        lines.append(f"  answers correct: {self.correct}/{self.n} compressed")
+        lines.append(
+            f"  answers correct: {self.correct}/{self.n} {'with the full cache' if self.policy == 'full' else 'compressed'}"
+        )
         if self.compared:
             lines[-1] += (
                 f", {self.full_correct}/{self.compared} with the full cache; "
@@ -57,7 +59,13 @@ class DemoSummary:
                 f"  KV bytes kept: {self.kept / self.n / 1e6:.2f} MB of {self.full / self.n / 1e6:.2f} MB per "
                 f"request on average ({self.kept / self.full:.1%})"
             )
-        if pool is not None and self.n:
+        if pool is not None and self.n and self.policy == "full":
+            comp, _ = self.capacity(pool[0], block_size, max_new_tokens)
+            lines.append(
+                f"  one decode worker's KV pool ({pool[0]} blocks of {block_size} tokens) holds {comp:.0f} sequences "
+                f"of this size with the full cache (run with --policy vlcache --budget 0.1 to compare)"
+            )
+        elif pool is not None and self.n:
             blocks, workers = pool
             comp, full = self.capacity(blocks, block_size, max_new_tokens)
             ratio = f"{comp / full:.1f}x" if full else "n/a"

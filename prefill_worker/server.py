@@ -23,7 +23,7 @@ from vlkv.common.config import PrefillConfig
 from vlkv.common.errors import Refusal, VlkvError
 from vlkv.common.grpc_server import abort_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
-from vlkv.common.handoff.wire import KVWireError, encode_header
+from vlkv.common.handoff.wire import KVWireError, compact_header
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import from_prefill_proto
 from vlkv.prefill_worker.engine import PrefillEngine
@@ -65,15 +65,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         finally:
             self.waiting -= 1
         ckv = result.cache
-        header = encode_header(
+        header = compact_header(
+            ckv,
             request_id=request.request_id,
             fingerprint=self.spec.fingerprint,
-            dtype=ckv.dtype,
-            num_kv_heads=ckv.num_kv_heads,
-            head_dim=ckv.head_dim,
-            layer_lengths=ckv.layer_lengths,
-            prompt_length=ckv.prompt_length,
-            first_token_id=ckv.first_token,
             sampling=request.sampling,
             eos_token_ids=list(self.spec.eos_token_ids),
             prompt_tokens=result.modality.m,

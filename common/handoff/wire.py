@@ -179,7 +179,7 @@ def encode_stream(
     yield trailer.SerializeToString() if wire else trailer
 
 
-def encode_compact_kv(
+def compact_header(
     ckv: CompactKV,
     *,
     request_id: str,
@@ -189,13 +189,9 @@ def encode_compact_kv(
     prompt_tokens: int = 0,
     vision_tokens: int = 0,
     policy: str = "",
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    wire: bool = False,
-) -> Iterator[kv_pb2.KVChunk] | Iterator[bytes]:
-    """The whole wire stream of ``ckv`` (a lazy generator: header, layer chunks, trailer).
-
-    ``wire=True`` yields the serialized messages (see ``encode_stream``)."""
-    header = encode_header(
+) -> kv_pb2.KVChunk:
+    """The header chunk describing ``ckv`` (its layout, per-layer lengths and first token)."""
+    return encode_header(
         request_id=request_id,
         fingerprint=fingerprint,
         dtype=ckv.dtype,
@@ -210,4 +206,16 @@ def encode_compact_kv(
         vision_tokens=vision_tokens,
         policy=policy,
     )
+
+
+def encode_compact_kv(
+    ckv: CompactKV,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    wire: bool = False,
+    **header_fields,
+) -> Iterator[kv_pb2.KVChunk] | Iterator[bytes]:
+    """The whole wire stream of ``ckv`` (a lazy generator: header, layer chunks, trailer); ``header_fields``
+    go to ``compact_header``. ``wire=True`` yields the serialized messages (see ``encode_stream``)."""
+    header = compact_header(ckv, **header_fields)
     return encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes, wire=wire)

@@ -25,7 +25,7 @@ from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
 from vlkv.common.model.inputs import (
     ModalityMap,
-    count_placeholders,
+    check_placeholders,
     decode_images,
     input_side,
     prepare_inputs,
@@ -80,11 +80,7 @@ def prepare_request(
     compression = compression_from_proto(pb.compression)
     prompt = render_prompt(pb, processor, limits.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * spec.context)
     blobs = list(pb.images)
-    placeholders = count_placeholders(prompt, processor)
-    if placeholders != len(blobs):
-        raise InvalidInput(
-            f"the prompt has {placeholders} image placeholders but {len(blobs)} images were sent"
-        )
+    check_placeholders(prompt, processor, len(blobs))  # before any image is decoded
     headers = read_headers(blobs, limits)
     large = sum(h.pixels for h in headers) >= RELEASE_AFTER_PIXELS or len(prompt) > 1 << 20
     images = decode_images(blobs, limits, input_side(processor), headers)

@@ -30,7 +30,6 @@ from vlkv.common.config import DecodeConfig
 from vlkv.common.errors import Refusal, VlkvError, abort_with
 from vlkv.common.handoff.assembler import KVAssembler, validate_header
 from vlkv.common.handoff.block_layout import block_runs, ceil_div, runs_crc32c
-from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.nixl_agent import NixlAgent, device_id, mem_type
 from vlkv.common.handoff.wire import KVWireError
 from vlkv.common.model.spec import ModelSpec
@@ -193,7 +192,7 @@ class TransferReceiver:
             blocks = assembler.handle
             for layer, table in enumerate(blocks.tables):
                 self.kv_cache.write(table, ckv.keys[layer], ckv.values[layer])
-            bad = _non_finite(ckv)
+            bad = ckv.non_finite_part()
             if bad:
                 self.pool.free(blocks)
                 raise KVWireError(grpc.StatusCode.INVALID_ARGUMENT, f"the cache holds NaN or inf in {bad}")
@@ -376,15 +375,3 @@ class TransferReceiver:
                 raise KVWireError(
                     grpc.StatusCode.DATA_LOSS, f"CRC-32C mismatch in layer {layer} after the NIXL write"
                 )
-
-
-def _non_finite(ckv: CompactKV) -> str:
-    """Where a received cache holds NaN or inf (``"layer L keys"``), or ``""``: one float64 sum per tensor
-    (exact enough that only a NaN or inf makes it non-finite), no copy."""
-    import torch
-
-    for layer, (k, v) in enumerate(zip(ckv.keys, ckv.values, strict=True)):
-        for name, t in (("keys", k), ("values", v)):
-            if t.numel() and not torch.isfinite(t.sum(dtype=torch.float64)):
-                return f"layer {layer} {name}"
-    return ""

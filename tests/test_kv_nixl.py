@@ -25,7 +25,7 @@ from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.grpc_transport import grpc_message_options
 from vlkv.common.handoff.nixl_agent import NixlAgent, nixl_available, notif_key, parse_notif
 from vlkv.common.handoff.nixl_sender import NixlKVSender, StagingPool
-from vlkv.common.handoff.wire import KVWireError, encode_header
+from vlkv.common.handoff.wire import KVWireError, compact_header
 from vlkv.prefill_worker.peers import DecodePeers
 from vlkv.tools.bench.kv_receiver import FINGERPRINT, serve
 from vlkv.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -96,16 +96,8 @@ def make_cache(dtype: torch.dtype, seed: int = 0) -> CompactKV:
 
 
 def header_of(ckv: CompactKV, rid: str):
-    return encode_header(
-        request_id=rid,
-        fingerprint=FINGERPRINT,
-        dtype=ckv.dtype,
-        num_kv_heads=H,
-        head_dim=D,
-        layer_lengths=ckv.layer_lengths,
-        prompt_length=ckv.prompt_length,
-        first_token_id=ckv.first_token,
-        sampling=generate_pb2.SamplingParams(max_new_tokens=4),
+    return compact_header(
+        ckv, request_id=rid, fingerprint=FINGERPRINT, sampling=generate_pb2.SamplingParams(max_new_tokens=4)
     )
 
 

@@ -26,17 +26,24 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dirs, pki):
-    sec = SecurityConfig(cert=pki["cert"], key=pki["key"], ca=pki["ca"], mutual_tls=True, api_token=TOKEN)
+def _secure_cluster(tiny_model_dirs, sec: SecurityConfig):
+    """An in-process cluster of the tiny GQA model with ``sec`` on every channel (no insecure client)."""
     cfg = ServerConfig(
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
         pool=PoolConfig(pool_bytes=2 << 20),
         security=sec,
     )
     c = InProcCluster(cfg, client=False)
-    yield c
-    c.close()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs, pki):
+    sec = SecurityConfig(cert=pki["cert"], key=pki["key"], ca=pki["ca"], mutual_tls=True, api_token=TOKEN)
+    yield from _secure_cluster(tiny_model_dirs, sec)
 
 
 def _ask(address, **kw):
@@ -108,14 +115,7 @@ def token_cluster(tiny_model_dirs, pki):
     sec = SecurityConfig(
         cert=pki["cert"], key=pki["key"], ca=pki["ca"], api_token=TOKEN, internal_token=INTERNAL
     )
-    cfg = ServerConfig(
-        model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
-        pool=PoolConfig(pool_bytes=2 << 20),
-        security=sec,
-    )
-    c = InProcCluster(cfg, client=False)
-    yield c
-    c.close()
+    yield from _secure_cluster(tiny_model_dirs, sec)
 
 
 class _Token(grpc.AuthMetadataPlugin):

@@ -13,8 +13,6 @@ same bytes where they landed (``runs_crc32c``: read in place, no copy) before th
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from vlkv.common.handoff.codec import crc32c_extend
@@ -70,9 +68,3 @@ def runs_crc32c(pool: torch.Tensor, runs: list[tuple[int, int]], crc: int = 0) -
     for first, count in runs:
         crc = tensor_crc32c(pool[first : first + count], crc)
     return crc
-
-
-def packed_finite(buf: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a packed layer (flat bytes of ``dtype``) holds no NaN or inf (min and max, read in place)."""
-    lo, hi = torch.aminmax(buf.view(dtype))
-    return math.isfinite(lo.item()) and math.isfinite(hi.item())

@@ -6,6 +6,7 @@ Keys are stored after RoPE, so a kept token keeps its original position; the dec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,3 +76,19 @@ class CompactKV:
     def compression_ratio(self) -> float:
         """Realized ratio sum_l k_l / (L * m)."""
         return sum(self.layer_lengths) / (self.num_layers * self.prompt_length)
+
+    def non_finite_part(self) -> str:
+        """Where the cache holds NaN or inf (``"layer L keys"``), or ``""``."""
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            for name, t in (("keys", k), ("values", v)):
+                if not all_finite(t):
+                    return f"layer {layer} {name}"
+        return ""
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or inf: its min and max, read in place (an empty tensor is finite)."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())

@@ -26,8 +26,8 @@ import grpc
 import numpy as np
 import torch
 from vlkv.common.errors import Refusal, refusal_of
-from vlkv.common.handoff.block_layout import pack_layer, packed_bytes, packed_finite, tensor_crc32c
-from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.block_layout import pack_layer, packed_bytes, tensor_crc32c
+from vlkv.common.handoff.compact_kv import CompactKV, all_finite
 from vlkv.common.handoff.nixl_agent import NixlAgent, NixlError, device_id, mem_type, notif_key
 from vlkv.common.handoff.wire import KVWireError
 from vlkv.v1 import kv_pb2, worker_pb2
@@ -143,7 +143,7 @@ class NixlKVSender:
                     dst = buf[off : off + size]
                     pack_layer(dst, src, block)
                     crc = tensor_crc32c(dst, crc)  # while the packed bytes are still in cache
-                    if not packed_finite(dst, src.dtype):
+                    if not all_finite(dst.view(src.dtype)):
                         raise KVWireError(
                             grpc.StatusCode.INVALID_ARGUMENT, f"the cache holds NaN or inf in layer {layer}"
                         )

@@ -191,13 +191,18 @@ def count_placeholders(text: str, processor) -> int:
     return text.count(processor.image_token)
 
 
+def check_placeholders(prompt: str, processor, num_images: int) -> None:
+    """InvalidInput unless the prompt holds exactly one image placeholder per image."""
+    placeholders = count_placeholders(prompt, processor)
+    if placeholders != num_images:
+        raise InvalidInput(
+            f"the prompt has {placeholders} image placeholders but {num_images} images were sent"
+        )
+
+
 def prepare_inputs(processor, images: list[Image.Image], prompt: str, image_token_id: int) -> PreparedInputs:
     """Run the model's processor; the prompt must hold exactly one placeholder per image."""
-    placeholders = count_placeholders(prompt, processor)
-    if placeholders != len(images):
-        raise InvalidInput(
-            f"the prompt has {placeholders} image placeholders but {len(images)} images were sent"
-        )
+    check_placeholders(prompt, processor, len(images))
     try:
         batch = processor(images=images or None, text=prompt, return_tensors="pt")
     except Exception as exc:  # noqa: BLE001 - the inputs were checked; whatever it refuses is the input's

@@ -69,7 +69,7 @@ from vlkv.common.handoff.grpc_transport import (
 )
 from vlkv.common.handoff.nixl_agent import NixlAgent
 from vlkv.common.handoff.nixl_sender import NixlKVSender, StagingPool
-from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, encode_compact_kv, encode_header, encode_stream
+from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, compact_header, encode_compact_kv, encode_stream
 from vlkv.tools.bench import kv_receiver
 from vlkv.v1 import worker_pb2
 
@@ -182,15 +182,7 @@ async def _grpc_once(sender: GrpcKVSender, ckv: CompactKV) -> float:
 
 
 async def _nixl_once(sender: NixlKVSender, ckv: CompactKV, rid: str) -> float:
-    header = encode_header(
-        request_id=rid,
-        fingerprint=kv_receiver.FINGERPRINT,
-        dtype=ckv.dtype,
-        num_kv_heads=ckv.num_kv_heads,
-        head_dim=ckv.head_dim,
-        layer_lengths=ckv.layer_lengths,
-        prompt_length=ckv.prompt_length,
-    )
+    header = compact_header(ckv, request_id=rid, fingerprint=kv_receiver.FINGERPRINT)
     start = time.perf_counter()
     ack = await sender.send(header, ckv)
     elapsed = time.perf_counter() - start

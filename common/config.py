@@ -17,6 +17,7 @@ __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where call
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 KV_TRANSPORTS = ("auto", "grpc", "nixl")
+KV_DTYPES = ("fp16", "int8")  # handoff.quantize.KV_DTYPES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -91,6 +92,10 @@ class PoolConfig:
     admission: str = "grow"
     watermark: float = 0.01  # "grow": share of the pool a new cache must leave free (room to grow)
     swap_bytes: int = 0  # "grow": host memory for preempted sequences; 0 = as much as pool_bytes
+    # Decode-phase re-compression (0: off): a layer keeps at most decode_budget x its prompt-time tokens +
+    # decode_window (the most recent ones always kept), cut back by attention mass a block past that.
+    decode_budget: float = 0.0
+    decode_window: int = 32
 
     def __post_init__(self) -> None:
         _check(self.pool_bytes > 0, "pool_bytes must be > 0")
@@ -103,6 +108,8 @@ class PoolConfig:
         )
         _check(0 <= self.watermark < 1, "watermark must be in [0, 1)")
         _check(self.swap_bytes >= 0, "swap_bytes must be >= 0")
+        _check(self.decode_budget >= 0, "decode_budget must be >= 0 (0: off)")
+        _check(self.decode_window >= 1, "decode_window must be >= 1")
 
 
 @dataclass(slots=True)
@@ -126,6 +133,9 @@ class TransferConfig:
     # "grpc": K/V in gRPC messages; "nixl": one-sided NIXL writes into the decode pool (unencrypted: trusted
     # fabrics only); "auto": NIXL where both workers have it and TLS is off, else gRPC.
     kv_transport: str = "auto"
+    # How compact caches travel and are stored: "fp16" (the model's dtype) or "int8" (KIVI scales; the prefill
+    # worker quantizes, the decode pool stores int8). Both workers of a deployment must agree.
+    kv_dtype: str = "fp16"
     idle_s: float = 10.0  # decode side: a hand-off with no message for this long ends and frees its blocks
     write_window_s: float = 10.0  # NIXL: the sender writes within this; blocks of a broken write wait it out
     max_transfers: int = 32  # decode side: hand-offs in progress at once (more: RESOURCE_EXHAUSTED)
@@ -147,6 +157,7 @@ class TransferConfig:
         _check(self.deadline_s > 0, "deadline_s must be > 0")
         _check(0 <= self.fault_chunk_delay_ms <= 60_000, "fault_chunk_delay_ms must be in [0, 60000]")
         _check(self.kv_transport in KV_TRANSPORTS, f"kv_transport must be one of {KV_TRANSPORTS}")
+        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("idle_s", "write_window_s", "unclaimed_lease_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.max_transfers >= 1 and self.max_peers >= 1, "max_transfers and max_peers must be >= 1")
@@ -173,6 +184,7 @@ class PrefillConfig:
     transfer: TransferConfig
     security: SecurityConfig
     keepalive_s: float
+    image_cache_mb: int = 256  # the image cache (reused image K/V, LRU); 0 = off
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +215,11 @@ class ServerConfig:
     # Internal channels (gateway to workers, prefill to decode) ping their peer this often and drop the
     # connection when a ping goes unanswered as long: calls to a hung worker end with UNAVAILABLE. 0 = off.
     keepalive_s: float = 15.0
+    image_cache_mb: int = 256  # each prefill worker's image cache (PrefillConfig.image_cache_mb)
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")
+        _check(self.image_cache_mb >= 0, "image_cache_mb must be >= 0")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
         _check(self.keepalive_s == 0 or self.keepalive_s >= 0.5, "keepalive_s must be 0 (off) or >= 0.5")
         self.security.check_exposure(self.host)
@@ -218,7 +232,7 @@ class ServerConfig:
         return GatewayConfig(self.limits, self.queue, self.transfer, self.security, self.keepalive_s)
 
     def prefill(self) -> PrefillConfig:
-        return PrefillConfig(self.limits, self.transfer, self.security, self.keepalive_s)
+        return PrefillConfig(self.limits, self.transfer, self.security, self.keepalive_s, self.image_cache_mb)
 
     def decode(self) -> DecodeConfig:
         return DecodeConfig(self.limits, self.pool, self.model.device, self.transfer, self.security.tls)

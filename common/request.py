@@ -12,7 +12,7 @@ once at the edge of each process: the ``*_from_proto`` functions here are those 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vlkv.common.compression.registry import (
@@ -33,6 +33,7 @@ from vlkv.common.model.inputs import (
     release_memory,
 )
 from vlkv.common.model.spec import ModelSpec
+from vlkv.common.reuse import REUSE_MODES, ReuseSettings, image_hashes
 from vlkv.common.sampling import SamplingConfig
 from vlkv.v1 import generate_pb2, worker_pb2
 
@@ -61,6 +62,9 @@ class PreparedRequest:
     modality: ModalityMap
     sampling: SamplingConfig
     compression: CompressionSettings
+    reuse: ReuseSettings = field(default_factory=ReuseSettings)
+    image_hashes: list[str] = field(default_factory=list)  # one per image (image cache key)
+    tenant: str = ""  # the caller (image cache entries are per tenant); "" is the anonymous tenant
 
     @property
     def m(self) -> int:
@@ -68,7 +72,13 @@ class PreparedRequest:
 
 
 def prepare_request(
-    pb: generate_pb2.GenerateRequest, processor, spec: ModelSpec, limits: Limits, *, default_seed: int
+    pb: generate_pb2.GenerateRequest,
+    processor,
+    spec: ModelSpec,
+    limits: Limits,
+    *,
+    default_seed: int,
+    tenant: str = "",
 ) -> PreparedRequest:
     """Validate a public request and run the processor; InvalidInput names the first bad field.
 
@@ -78,6 +88,7 @@ def prepare_request(
     (``decode_images``). Synchronous and CPU-bound: the gateway runs it in a worker thread."""
     sampling = sampling_from_proto(pb.sampling, limits, default_seed=default_seed)
     compression = compression_from_proto(pb.compression)
+    reuse = reuse_from_proto(pb.reuse)
     prompt = render_prompt(pb, processor, limits.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * spec.context)
     blobs = list(pb.images)
     check_placeholders(prompt, processor, len(blobs))  # before any image is decoded
@@ -96,8 +107,17 @@ def prepare_request(
         raise InvalidInput(f"the prompt has {m} tokens, over the limit of {limit}")
     check_context(m, sampling.max_new_tokens, spec.context)
     model_inputs = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
+    hashes = image_hashes(model_inputs.get("pixel_values")) if reuse.enabled else []
     return PreparedRequest(
-        pb.request_id, inputs.input_ids, model_inputs, inputs.modality, sampling, compression
+        pb.request_id,
+        inputs.input_ids,
+        model_inputs,
+        inputs.modality,
+        sampling,
+        compression,
+        reuse,
+        hashes,
+        tenant,
     )
 
 
@@ -119,6 +139,9 @@ def to_prefill_proto(req: PreparedRequest, decode_address: str) -> worker_pb2.Pr
         input_ids=req.input_ids.reshape(-1).tolist(),
         vision_spans=spans,
         model_inputs=[tensor_to_proto(k, v) for k, v in req.model_inputs.items()],
+        image_hashes=req.image_hashes,
+        tenant=req.tenant,
+        reuse=reuse_to_proto(req.reuse),
     )
 
 
@@ -139,6 +162,8 @@ def from_prefill_proto(pb: worker_pb2.PrefillRequest, spec: ModelSpec, limits: L
         raise InvalidInput(f"more than {MAX_MODEL_INPUTS} model inputs")
     sampling = sampling_from_proto(pb.sampling, limits)
     check_context(m, sampling.max_new_tokens, spec.context)
+    if len(pb.image_hashes) > limits.max_images or any(len(h) > 128 for h in pb.image_hashes):
+        raise InvalidInput("malformed image hashes")
     return PreparedRequest(
         request_id=pb.request_id,
         input_ids=torch.tensor([list(pb.input_ids)], dtype=torch.long),
@@ -146,6 +171,9 @@ def from_prefill_proto(pb: worker_pb2.PrefillRequest, spec: ModelSpec, limits: L
         modality=ModalityMap(m=m, vision_spans=pairs),
         sampling=sampling,
         compression=compression_from_proto(pb.compression),
+        reuse=reuse_from_proto(pb.reuse),
+        image_hashes=list(pb.image_hashes),
+        tenant=pb.tenant[:128],
     )
 
 
@@ -280,4 +308,27 @@ def compression_to_proto(cfg: CompressionSettings) -> generate_pb2.CompressionPa
         threshold=cfg.threshold,
         allocator=cfg.allocator,
         exact_budget=cfg.exact_budget,
+    )
+
+
+def reuse_from_proto(pb: generate_pb2.ReuseParams) -> ReuseSettings:
+    """Validated image-reuse settings; InvalidInput names a bad value."""
+    if pb.reuse not in ("", "auto", "off"):
+        raise InvalidInput(f"reuse must be auto or off, got {pb.reuse!r}")
+    if pb.mode and pb.mode not in REUSE_MODES:
+        raise InvalidInput(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {pb.mode!r}")
+    kwargs = {"enabled": pb.reuse != "off"}
+    if pb.mode:
+        kwargs["mode"] = pb.mode
+    if pb.HasField("recompute_ratio"):
+        kwargs["ratio"] = float(pb.recompute_ratio)
+    try:
+        return ReuseSettings(**kwargs)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def reuse_to_proto(cfg: ReuseSettings) -> generate_pb2.ReuseParams:
+    return generate_pb2.ReuseParams(
+        reuse="auto" if cfg.enabled else "off", recompute_ratio=cfg.ratio, mode=cfg.mode
     )

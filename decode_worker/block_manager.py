@@ -19,16 +19,36 @@ Admission (``PoolConfig.admission``, ``AdmissionPolicy``):
 
 Either way a request that could not fit even in an empty pool is refused outright (``NEVER_FITS``); one
 that does not fit now is refused with ``POOL_FULL`` (room may come later).
+
+Decode-phase re-compression (``--decode-budget``, off by default): a layer whose cache has grown to
+``recompress_target``'s trigger is cut back to its budget (the decode core picks which tokens stay and
+compacts them in place), and ``shrink`` returns the blocks past them to the pool.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def recompress_budget(prompt_time_len: int, budget: float, window: int) -> int:
+    """Tokens a layer may keep while decoding: ``budget`` x its prompt-time length, plus ``window``."""
+    return math.ceil(budget * prompt_time_len) + window
+
+
+def recompress_target(prompt_time_len: int, length: int, budget: float, window: int, block_size: int) -> int:
+    """Tokens a layer of ``length`` keeps after re-compression: its budget once it holds a block more than
+    that (so every re-compression frees at least one block), else ``length`` (nothing to do); ``budget``
+    <= 0 turns re-compression off."""
+    if budget <= 0:
+        return length
+    cap = recompress_budget(prompt_time_len, budget, window)
+    return cap if length >= cap + block_size else length
 
 
 def blocks_needed(layer_lengths: list[int], extra_tokens: int, block_size: int) -> int:
@@ -130,6 +150,17 @@ class BlockManager:
             self._used.add(block)
             table.append(block)
         return True
+
+    def shrink(self, blocks: SequenceBlocks, layer: int, num_tokens: int) -> int:
+        """Free layer ``layer``'s blocks past the first ``num_tokens`` tokens (re-compression); returns how
+        many blocks were freed."""
+        table = blocks.tables[layer]
+        keep = _ceil_div(num_tokens, self.block_size)
+        gone = table[keep:]
+        del table[keep:]
+        self._used.difference_update(gone)
+        self._free.extend(reversed(gone))
+        return len(gone)
 
     def free(self, blocks: SequenceBlocks) -> None:
         """Return a sequence's blocks; freeing a block that is not in use is a bug and raises.

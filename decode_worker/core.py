@@ -24,6 +24,15 @@ A sequence's ``generated`` starts as ``[first_token]`` (the prefill's token); ea
 core never decides that a sequence is finished: its caller does (EOS, length, stop strings) and calls
 ``release``. The core executes the scheduler's plan: preempted sequences' K/V go to ``swap_device``
 (``host_kv``) and come back into their new blocks on resume, bit for bit.
+
+Decode-phase re-compression (``decode_budget`` > 0, ``--decode-budget``): each step also returns every
+layer's attention mass per cached token, accumulated per sequence (``attn_mass``). When a layer has grown
+a block past ``decode_budget`` x its prompt-time length + ``decode_window`` tokens
+(``block_manager.recompress_target``), it keeps the ``decode_window`` most recent tokens and, of the older
+ones (prompt tokens and early generated ones alike), those with the most accumulated mass; they are
+compacted to the front of its blocks (``KVCache.compact``) and the blocks past them go back to the pool
+(``BlockManager.shrink``). Positions keep counting from the true length (RoPE position = prompt length +
+tokens generated), never from the shortened cache.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import grpc
 import torch
 from vlkv.common.errors import VlkvError
 from vlkv.common.sampling import SamplingConfig, make_generator, sample_token
-from vlkv.decode_worker.block_manager import BlockManager, SequenceBlocks
+from vlkv.decode_worker.block_manager import BlockManager, SequenceBlocks, recompress_target
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.decode_worker.scheduler import SchedulePlan, Scheduler
@@ -56,10 +65,14 @@ class DecodeSequence:
     generated: list[int] = field(init=False)  # [first_token, sampled tokens...]
     cancelled: bool = field(default=False, init=False)
     arrival: int = field(default=0, init=False)  # set by the scheduler
-    host_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, init=False)  # swapped out
+    host_kv: list[tuple[torch.Tensor, ...]] | None = field(default=None, init=False)  # swapped out
+    prompt_lengths: list[int] = field(init=False)  # per layer cached tokens on arrival (re-compression)
+    attn_mass: torch.Tensor | None = field(default=None, init=False)  # [L, T] accumulated (re-compression)
+    evicted: int = field(default=0, init=False)  # tokens dropped by re-compression, all layers
 
     def __post_init__(self) -> None:
         self.generated = [self.first_token]
+        self.prompt_lengths = list(self.lengths)
         self.generator = None if self.sampling.greedy else make_generator(self.sampling.seed + 1)
 
 
@@ -86,11 +99,18 @@ class DecodeCore:
         max_batch: int,
         swap_bytes: int = 0,
         swap_device: str | torch.device = "cpu",
+        decode_budget: float = 0.0,
+        decode_window: int = 32,
     ) -> None:
+        """``decode_budget`` > 0: re-compress while decoding (see the module docstring)."""
         self.runner = runner
         self.blocks = blocks
         self.cache = cache
         self.swap_device = swap_device
+        self.decode_budget = decode_budget
+        self.decode_window = decode_window
+        self.evicted_tokens = 0  # by re-compression, since start
+        self._mass: torch.Tensor | None = None
         self.scheduler: Scheduler[DecodeSequence] = Scheduler(
             blocks, max_batch, swap_bytes, cache.token_bytes
         )
@@ -112,15 +132,13 @@ class DecodeCore:
         """Plan the next step and move the K/V it names: resumed into the pool, preempted out of it."""
         plan = self.scheduler.schedule()
         for seq, tables in plan.swapped_in:
-            for table, (k, v) in zip(tables, seq.host_kv, strict=True):
-                self.cache.write(table, k.to(self.cache.device), v.to(self.cache.device))
+            for table, kv in zip(tables, seq.host_kv, strict=True):
+                self.cache.write(table, *(t.to(self.cache.device) for t in kv))
             seq.host_kv = None
         for seq, tables in plan.swapped_out:
             log.info("request %s: preempted (%d blocks swapped out)", seq.request_id, sum(map(len, tables)))
             kv = [self.cache.read(t, n) for t, n in zip(tables, seq.lengths, strict=True)]
-            seq.host_kv = [
-                (k.to(self.swap_device, copy=True), v.to(self.swap_device, copy=True)) for k, v in kv
-            ]
+            seq.host_kv = [tuple(t.to(self.swap_device, copy=True) for t in layer) for layer in kv]
         for seq in plan.failed:
             log.warning("request %s: preempted with no swap space left; failing it", seq.request_id)
             seq.host_kv = None
@@ -132,7 +150,11 @@ class DecodeCore:
             StepInput(s.generated[-1], s.prompt_length + len(s.generated) - 1, s.blocks.tables, s.lengths)
             for s in batch
         ]
-        return self.runner.step(inputs)
+        if self.decode_budget <= 0:
+            return self.runner.step(inputs)
+        logits = self.runner.step(inputs, mass=True)
+        self._mass = self.runner.last_mass
+        return logits
 
     def postprocess(self, batch: list[DecodeSequence], logits: torch.Tensor) -> StepResult:
         """Grow every stepped sequence by its token; sample for all but the cancelled, which leave now.
@@ -140,8 +162,11 @@ class DecodeCore:
         A sequence whose token cannot be sampled (its logits are NaN or inf, or sampling raised) leaves
         too, in ``errors`` with the reason; the rest of the batch goes on."""
         out = StepResult()
+        mass, self._mass = self._mass, None
         for i, s in enumerate(batch):
             s.lengths = [n + 1 for n in s.lengths]
+            if mass is not None and not s.cancelled:
+                self._recompress(s, mass[i])
             if s.cancelled:
                 self.release(s)
                 continue
@@ -154,6 +179,36 @@ class DecodeCore:
             s.generated.append(token)
             out.tokens.append((s, token))
         return out
+
+    def _recompress(self, seq: DecodeSequence, step_mass: torch.Tensor) -> None:
+        """Add this step's attention mass ``[L, T]`` to ``seq``'s, then cut back every layer past its budget."""
+        width = step_mass.shape[1]
+        if seq.attn_mass is None or seq.attn_mass.shape[1] < width:
+            grown = torch.zeros(step_mass.shape[0], width)
+            if seq.attn_mass is not None:
+                grown[:, : seq.attn_mass.shape[1]] = seq.attn_mass
+            seq.attn_mass = grown
+        seq.attn_mass[:, :width] += step_mass
+        window = self.decode_window
+        for layer, n in enumerate(seq.lengths):
+            target = recompress_target(
+                seq.prompt_lengths[layer], n, self.decode_budget, window, self.blocks.block_size
+            )
+            if target >= n:
+                continue
+            old = seq.attn_mass[layer, : n - window]
+            keep = torch.cat(
+                [torch.topk(old, target - window).indices.sort().values, torch.arange(n - window, n)]
+            )
+            table = seq.blocks.tables[layer]
+            self.cache.compact(table, keep.to(self.cache.device))
+            row = torch.zeros_like(seq.attn_mass[layer])
+            row[:target] = seq.attn_mass[layer, keep]
+            seq.attn_mass[layer] = row
+            seq.lengths[layer] = target
+            self.blocks.shrink(seq.blocks, layer, target)
+            seq.evicted += n - target
+            self.evicted_tokens += n - target
 
     def step(self) -> StepResult:
         """schedule -> forward -> postprocess. Empty while ``has_work`` only when a preempted sequence waits

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vlkv.common.handoff.quantize import quantize_k_with, quantize_v
 from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.loading import language_model
 from vlkv.decode_worker.kv_cache import KVCache
@@ -31,22 +32,37 @@ class StepInput:
 class PagedBatch:
     """Per-step view of the K/V cache: appends each layer's new K/V, then attends over the blocks.
 
-    tables: ``[S, L, max_blocks]`` int32; lengths: ``[S, L]`` int32 (before this step's token).
+    tables: ``[S, L, max_blocks]`` int32; lengths: ``[S, L]`` int32 (before this step's token);
+    mass: ``[S, L, max_blocks * P]`` fp32 or None: each layer's attention mass per cached token, filled by
+    ``attend`` (decode-phase re-compression).
     """
 
-    def __init__(self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor) -> None:
+    def __init__(
+        self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor, mass: torch.Tensor | None = None
+    ) -> None:
         self.cache = cache
         self.tables = tables
         self.lengths = lengths
+        self.mass = mass
         self._rows = torch.arange(tables.shape[0], device=tables.device)
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot."""
+        """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot (an int8 pool:
+        K quantized with the layer's prefill-time channel scales, clamped; V with its own token scale)."""
+        cache = self.cache
         pos = self.lengths[:, layer_idx].long()
-        blocks = self.tables[self._rows, layer_idx, pos // self.cache.block_size].long()
-        offs = pos % self.cache.block_size
-        self.cache.k[blocks, :, offs] = key[:, :, 0].to(self.cache.k.dtype)
-        self.cache.v[blocks, :, offs] = value[:, :, 0].to(self.cache.v.dtype)
+        blocks = self.tables[self._rows, layer_idx, pos // cache.block_size].long()
+        offs = pos % cache.block_size
+        if cache.quantized:
+            k_scale = cache.k_scale[self.tables[:, layer_idx, 0].long()]  # [S, H_kv, D]
+            cache.k_scale[blocks] = k_scale  # a block new to the layer takes the layer's scales
+            cache.k[blocks, :, offs] = quantize_k_with(key[:, :, 0], k_scale)
+            qv, v_scale = quantize_v(value[:, :, 0])
+            cache.v[blocks, :, offs] = qv
+            cache.v_scale[blocks, :, offs] = v_scale
+            return key, value
+        cache.k[blocks, :, offs] = key[:, :, 0].to(cache.k.dtype)
+        cache.v[blocks, :, offs] = value[:, :, 0].to(cache.v.dtype)
         return key, value
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -59,6 +75,9 @@ class PagedBatch:
             (self.lengths[:, layer_idx] + 1).to(torch.int32),
             scale=scaling,
             validate=False,  # ModelRunner.step checked every layer's tables and lengths
+            k_scale=self.cache.k_scale,
+            v_scale=self.cache.v_scale,
+            mass_out=None if self.mass is None else self.mass[:, layer_idx],
         )
         return out.unsqueeze(1)
 
@@ -72,10 +91,12 @@ class ModelRunner:
         self.lm = language_model(model)
         self.cache = cache
         self.device = cache.device
+        self.last_mass: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def step(self, batch: list[StepInput]) -> torch.Tensor:
-        """Feed one token per sequence; returns next-token logits ``[S, vocab]`` in fp32."""
+    def step(self, batch: list[StepInput], mass: bool = False) -> torch.Tensor:
+        """Feed one token per sequence; returns next-token logits ``[S, vocab]`` in fp32. ``mass``: also
+        leave each layer's per-token attention mass in ``last_mass`` ``[S, L, max_blocks * P]`` (CPU)."""
         num_layers = len(batch[0].tables)
         max_blocks = max(len(t) for s in batch for t in s.tables)
         rows = [t + [-1] * (max_blocks - len(t)) for s in batch for t in s.tables]  # one tensor, not S x L
@@ -85,7 +106,9 @@ class ModelRunner:
         check_paged_values(
             tables.view(-1, max_blocks), lengths.view(-1) + 1, self.cache.num_blocks, self.cache.block_size
         )
-        paged = PagedBatch(self.cache, tables.to(self.device), lengths.to(self.device))
+        width = max_blocks * self.cache.block_size
+        masses = torch.zeros(len(batch), num_layers, width, device=self.device) if mass else None
+        paged = PagedBatch(self.cache, tables.to(self.device), lengths.to(self.device), masses)
 
         tokens = torch.tensor([[s.token] for s in batch], device=self.device)
         positions = torch.tensor([[s.position] for s in batch], device=self.device)
@@ -102,4 +125,5 @@ class ModelRunner:
                 vlkv_decode=paged,
             )
         hidden = self.lm.norm(hidden)
+        self.last_mass = masses.cpu() if masses is not None else None
         return self.model.lm_head(hidden[:, -1]).float()

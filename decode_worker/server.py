@@ -76,14 +76,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.fingerprint = spec.fingerprint
         _, kv_heads, head_dim, dtype = self.layout
         self.kv_cache = KVCache.from_bytes(
-            cfg.pool.pool_bytes, cfg.pool.block_size, kv_heads, head_dim, dtype, cfg.device
+            cfg.pool.pool_bytes,
+            cfg.pool.block_size,
+            kv_heads,
+            head_dim,
+            dtype,
+            cfg.device,
+            cfg.transfer.kv_dtype,
         )
         num_blocks = self.kv_cache.num_blocks
         policy = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, num_blocks)
         self.pool = BlockManager(num_blocks, cfg.pool.block_size, policy)  # block accounting, admission
         swap = cfg.pool.swap_bytes or cfg.pool.pool_bytes
         runner = ModelRunner(model, self.kv_cache)
-        core = DecodeCore(runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap)
+        core = DecodeCore(
+            runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap,
+            decode_budget=cfg.pool.decode_budget, decode_window=cfg.pool.decode_window,
+        )  # fmt: skip
         self.engine = DecodeEngine(core, on_death=self._engine_died)
         self.address = ""
         self.draining = False
@@ -168,12 +177,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _make_sequence(self, header: kv_pb2.KVHeader, sampling, blocks) -> Sequence:
         lengths = list(header.layer_lengths)
         m = header.prompt_length
-        token_bytes = self.kv_cache.token_bytes
+        token_bytes = self.kv_cache.token_bytes  # in the pool's kv dtype, scales included
+        _, kv_heads, head_dim, dtype = self.layout
         usage = generate_pb2.Usage(
             prompt_tokens=header.prompt_tokens,
             vision_tokens=header.vision_tokens,
             kv_bytes_kept=sum(lengths) * token_bytes,
-            kv_bytes_full=len(lengths) * m * token_bytes,
+            kv_bytes_full=len(lengths) * m * 2 * kv_heads * head_dim * self.kv_cache.dtype.itemsize,
             compression_ratio=sum(lengths) / (len(lengths) * m),
             layer_budgets=lengths,
             policy=header.policy,
@@ -242,6 +252,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             reserves_new_tokens=self.pool.reserves_new_tokens,
             swapped=self.engine.num_swapped,
             preemptions=self.engine.preemptions,
+            kv_dtype=self.kv_cache.kv_dtype,
+            block_bytes=self.kv_cache.block_bytes,
         )
 
 

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import torch
 from vlkv.common import logs
 from vlkv.common.config import DecodeConfig
 from vlkv.common.errors import Refusal, VlkvError, abort_with
-from vlkv.common.handoff.assembler import KVAssembler, validate_header
-from vlkv.common.handoff.block_layout import block_runs, ceil_div, runs_crc32c
+from vlkv.common.handoff.assembler import KVAssembler, all_tensor_bytes, validate_header
+from vlkv.common.handoff.block_layout import block_runs, ceil_div, runs_crc32c, tensor_crc32c
 from vlkv.common.handoff.nixl_agent import NixlAgent, device_id, mem_type
-from vlkv.common.handoff.wire import KVWireError
+from vlkv.common.handoff.wire import KVWireError, compact_layers, layer_shapes
 from vlkv.common.model.spec import ModelSpec
 from vlkv.decode_worker.block_manager import AdmissionRefusal, BlockManager, RefusalKind, SequenceBlocks
 from vlkv.decode_worker.kv_cache import KVCache
@@ -39,6 +41,17 @@ from vlkv.decode_worker.rendezvous import Rendezvous
 from vlkv.v1 import kv_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+
+
+def _extend(crc: int | None, tensors) -> int | None:
+    """``crc`` continued over ``tensors``' bytes (None stays None: not checksummed yet)."""
+    if crc is None:
+        return None
+    for t in tensors:
+        crc = tensor_crc32c(t, crc)
+    return crc
+
+
 MAX_DRAINING = 4
 _REFUSALS = {  # the block manager's refusal kinds as the wire's machine-readable reasons
     RefusalKind.POOL_FULL: Refusal.REFUSAL_POOL_FULL,
@@ -102,7 +115,9 @@ class TransferReceiver:
     # -- admission, shared by both transports --------------------------------------------------------
     def admit(self, header: kv_pb2.KVHeader, sender: str, transfer) -> tuple[object, SequenceBlocks]:
         """Check ``header`` and take its blocks; KVWireError with the refusal otherwise."""
-        validate_header(header, self.spec.fingerprint, self.spec.kv_layout)
+        validate_header(
+            header, self.spec.fingerprint, self.spec.kv_layout, expected_kv_dtype=self.kv_cache.kv_dtype
+        )
         sampling = self.check_header(header)
         rid = header.request_id
         try:
@@ -174,7 +189,11 @@ class TransferReceiver:
             return blocks
 
         assembler = KVAssembler(
-            self.spec.fingerprint, self.spec.kv_layout, allocate=allocate, release=self.pool.free
+            self.spec.fingerprint,
+            self.spec.kv_layout,
+            expected_kv_dtype=self.kv_cache.kv_dtype,
+            allocate=allocate,
+            release=self.pool.free,
         )
         transfer = _GrpcTransfer(assembler)
         rid, entered = "", False
@@ -190,8 +209,8 @@ class TransferReceiver:
                 rid = rid or (assembler.header.request_id if assembler.header is not None else "")
             header, ckv = assembler.finish()
             blocks = assembler.handle
-            for layer, table in enumerate(blocks.tables):
-                self.kv_cache.write(table, ckv.keys[layer], ckv.values[layer])
+            for layer, tensors in enumerate(compact_layers(ckv)):
+                self.kv_cache.write(blocks.tables[layer], *tensors)
             bad = ckv.non_finite_part()
             if bad:
                 self.pool.free(blocks)
@@ -289,11 +308,11 @@ class TransferReceiver:
                 raise KVWireError(
                     grpc.StatusCode.CANCELLED, f"request {rid!r} was cancelled during its hand-off"
                 )
-            self._verify(header, blocks, list(done.done.layer_crc32c), landed)
+            self._verify(header, blocks, done.done, landed)
             held, blocks = blocks, None
             self._arrive(header, sampling, held, transfer, sender)
             self.received["nixl"] += 1
-            nbytes = sum(header.layer_lengths) * self.kv_cache.token_bytes
+            nbytes = sum(map(sum, all_tensor_bytes(header)))  # K, V and any scales, as over gRPC
             yield worker_pb2.NixlTransferReply(
                 ack=worker_pb2.TransferAck(bytes_received=nbytes, blocks_allocated=held.num_blocks)
             )
@@ -321,7 +340,7 @@ class TransferReceiver:
         self, header, blocks: SequenceBlocks, known_agent: str, window: float
     ) -> worker_pb2.NixlRegions:
         cache = self.kv_cache
-        block_bytes = cache.block_bytes // 2  # one tensor's share of a block
+        block_bytes = cache.kv_bytes_per_block  # one tensor's (K's or V's) data in a block
         k0, v0 = cache.k.data_ptr(), cache.v.data_ptr()
         out = worker_pb2.NixlRegions(
             agent_name=self.nixl.name,
@@ -358,20 +377,53 @@ class TransferReceiver:
                 landed[layer] = self._landed(header, blocks, layer)
                 await asyncio.sleep(0)  # one layer at a time: other calls run in between
 
-    def _verify(self, header, blocks: SequenceBlocks, crcs: list[int], landed: dict[int, int]) -> None:
+    def _verify(
+        self, header, blocks: SequenceBlocks, done: worker_pb2.NixlDone, landed: dict[int, int]
+    ) -> None:
         """What landed is what was sent (CRC-32C per layer, read in place): the layers checksummed as they
         landed (``landed``) are compared, the rest (and any mismatch: it may have been read before its
         bytes landed) are read now. The sender checked those bytes finite before writing them (the gRPC
-        path checks here instead), so they need no second read."""
-        if len(crcs) != len(header.layer_lengths):
-            raise KVWireError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(crcs)} checksums for {len(header.layer_lengths)} layers",
-            )
+        path checks here instead), so they need no second read. An int8 cache's scales come in ``done``
+        (the layer's CRC continues over them); once they check out they are written into the pool."""
+        crcs = list(done.layer_crc32c)
+        n = len(header.layer_lengths)
+        if len(crcs) != n:
+            raise KVWireError(grpc.StatusCode.INVALID_ARGUMENT, f"{len(crcs)} checksums for {n} layers")
+        scales = self._scales(header, done)
         for layer, want in enumerate(crcs):
-            if landed.get(layer) == want:
+            tail = scales[layer] if scales else ()
+            if _extend(landed.get(layer), tail) == want:
                 continue
-            if self._landed(header, blocks, layer) != want:
+            if _extend(self._landed(header, blocks, layer), tail) != want:
                 raise KVWireError(
                     grpc.StatusCode.DATA_LOSS, f"CRC-32C mismatch in layer {layer} after the NIXL write"
                 )
+        for layer, (k_scale, v_scale) in enumerate(scales):
+            table = blocks.tables[layer]
+            self.kv_cache.write_scales(table, k_scale, v_scale)
+
+    def _scales(self, header, done: worker_pb2.NixlDone) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """An int8 cache's per-layer (K scales ``[H_kv, D]``, V scales ``[H_kv, k_l]``) from ``done``;
+        missing or truncated ones are DATA_LOSS."""
+        if not header.kv_dtype:
+            return []
+        n = len(header.layer_lengths)
+        if len(done.key_scales) != n or len(done.value_scales) != n:
+            raise KVWireError(
+                grpc.StatusCode.DATA_LOSS,
+                f"{len(done.key_scales)} K and {len(done.value_scales)} V scale sets for {n} layers",
+            )
+        out = []
+        for layer in range(n):
+            shapes = layer_shapes(header, layer)[2:]
+            pair = []
+            for raw, (shape, dtype) in zip(
+                (done.key_scales[layer], done.value_scales[layer]), shapes, strict=True
+            ):
+                if len(raw) != math.prod(shape) * dtype.itemsize:
+                    raise KVWireError(
+                        grpc.StatusCode.DATA_LOSS, f"layer {layer}: {len(raw)} scale bytes, expected {shape}"
+                    )
+                pair.append(torch.frombuffer(bytearray(raw), dtype=dtype).view(shape))
+            out.append((pair[0], pair[1]))
+        return out

@@ -24,6 +24,8 @@ from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import Limits
 from vlkv.common.errors import ResourceExhausted
 from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.quantize import quantize_compact
+from vlkv.common.handoff.wire import compact_layers
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import (
     PreparedRequest,
@@ -94,7 +96,9 @@ class InProcessEngine:
     """A prefill engine and a decode core sharing one model; ``processor`` is needed by ``generate`` only.
 
     pool_bytes, block_size, max_batch, admission ("grow" | "reserve"), watermark and swap_bytes (0: as
-    much as ``pool_bytes``) mean what they mean in ``PoolConfig``; device: of the pool (the model's).
+    much as ``pool_bytes``), decode_budget and decode_window mean what they mean in ``PoolConfig``;
+    kv_dtype ("fp16" | "int8") what it means in ``TransferConfig`` (caches are quantized where the prefill
+    worker would, before admission); device: of the pool (the model's).
     """
 
     def __init__(
@@ -110,6 +114,9 @@ class InProcessEngine:
         swap_bytes: int = 0,
         device: str | torch.device | None = None,
         limits: Limits | None = None,
+        kv_dtype: str = "fp16",
+        decode_budget: float = 0.0,
+        decode_window: int = 32,
     ) -> None:
         self.model = model
         self.processor = processor
@@ -118,13 +125,23 @@ class InProcessEngine:
         self.spec = ModelSpec.from_model(model, self.tokenizer)
         self.prefill = PrefillEngine(model, self.spec)
         device = device if device is not None else next(model.parameters()).device
+        self.kv_dtype = kv_dtype
         self.cache = KVCache.from_bytes(
-            pool_bytes, block_size, self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, device
+            pool_bytes,
+            block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            self.spec.dtype,
+            device,
+            kv_dtype,
         )
         n = self.cache.num_blocks
         self.blocks = BlockManager(n, block_size, AdmissionPolicy.from_config(admission, watermark, n))
         runner = ModelRunner(model, self.cache)
-        self.core = DecodeCore(runner, self.blocks, self.cache, max_batch, swap_bytes or pool_bytes)
+        self.core = DecodeCore(
+            runner, self.blocks, self.cache, max_batch, swap_bytes or pool_bytes,
+            decode_budget=decode_budget, decode_window=decode_window,
+        )  # fmt: skip
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
 
     # -- the request path ----------------------------------------------------------------------------
@@ -194,8 +211,8 @@ class InProcessEngine:
                 generated_tokens=len(run.seq.generated),
                 prompt_tokens=res.modality.m,
                 vision_tokens=res.modality.num_vision_tokens,
-                kv_bytes_kept=res.cache.nbytes,
-                kv_bytes_full=res.cache.full_nbytes,
+                kv_bytes_kept=run.cache.nbytes,  # as stored (--kv-dtype)
+                kv_bytes_full=run.cache.full_nbytes,
                 layer_budgets=res.cache.layer_lengths,
                 policy=res.policy,
                 prefill_ms=res.prefill_ms,
@@ -223,8 +240,9 @@ class InProcessEngine:
             if got.kind is RefusalKind.NEVER_FITS or not self.core.has_work:
                 raise ResourceExhausted(got.message)
             return False
-        for layer, table in enumerate(got.tables):
-            self.cache.write(table, run.cache.keys[layer], run.cache.values[layer])
+        run.cache = quantize_compact(run.cache, self.kv_dtype)  # the prefill worker's step (--kv-dtype)
+        for table, tensors in zip(got.tables, compact_layers(run.cache), strict=True):
+            self.cache.write(table, *tensors)
         c = run.cache
         run.seq = DecodeSequence(
             run.request_id, got, list(lengths), c.prompt_length, c.first_token, run.sampling

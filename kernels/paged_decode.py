@@ -14,9 +14,18 @@ Two kernels:
    online softmax -> partial max, sum-exp ``[S, H, num_splits]`` and unnormalized output
    ``[S, H, num_splits, D]`` (fp32). A split past the sequence's end writes ``(-inf, 0, 0)``.
 2. ``_combine_kernel``, grid ``(S, H)``: rescales and sums the splits -> ``[S, H, D]`` in q's dtype.
+3. ``_mass_kernel`` (only with ``mass_out``, decode-phase re-compression), grid ``(S, H_kv, num_splits)``:
+   a second pass over K that turns each token's scores into probabilities with the heads' global max and
+   sum-exp (from the split partials) and sums them over the group -> per-token attention mass.
+
+int8 pools (``QUANT``; KIVI scales as in the reference): the split kernel multiplies the G query rows by
+the sequence's per-channel K scales (read once from its first block) and each tile's probabilities by the
+per-token V scales before the ``tl.dot`` with the int8 tile converted to fp32, so the kernel reads one byte
+per K/V element and materializes no dequantized tile.
 
 :func:`paged_decode_attention` dispatches to these kernels for CUDA tensors (or ``force_triton=True``,
-which on CPU needs ``TRITON_INTERPRET=1`` set before this module is imported), else to the reference.
+which on CPU needs ``TRITON_INTERPRET=1`` set before this module is imported), else to the reference
+(which computes ``mass_out`` inside its softmax).
 """
 
 from __future__ import annotations
@@ -44,15 +53,18 @@ def _load_tokens(base, tok_off, offs_d, tok_ok, D, stride_d):
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
+    ks_ptr, vs_ptr,
     scale, D, split_tokens,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ksb, stride_ksh, stride_ksd,
+    stride_vsb, stride_vsh, stride_vst,
     stride_ts, stride_tb,
     stride_ms, stride_mh, stride_mp,
     stride_as, stride_ah, stride_ap, stride_ad,
     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -70,6 +82,12 @@ def _split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     table = tables_ptr + seq * stride_ts
+    if QUANT:  # q . (k * ks) = (q * ks) . k; every block of the sequence's layer holds the same ks
+        first = tl.load(table).to(tl.int64)
+        ks = tl.load(
+            ks_ptr + first * stride_ksb + kv_head * stride_ksh + offs_d * stride_ksd, mask=offs_d < D
+        )
+        q = q.to(tl.float32) * ks.to(tl.float32)[None, :]
 
     start = split * split_tokens
     end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
@@ -84,7 +102,7 @@ def _split_kernel(
         slot = offs_n % PAGE
         k = _load_tokens(k_base, block * stride_kb + slot * stride_kt, offs_d, tok_ok, D, stride_kd)
         v = _load_tokens(v_base, block * stride_vb + slot * stride_vt, offs_d, tok_ok, D, stride_vd)
-        if UPCAST:
+        if UPCAST or QUANT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -94,7 +112,12 @@ def _split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if QUANT:  # p @ (v * vs) = (p * vs) @ v, per-token V scales
+            vs = tl.load(vs_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst, mask=tok_ok)
+            pv = p * vs.to(tl.float32)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     ml_off = seq * stride_ms + head * stride_mh + split * stride_mp
@@ -143,6 +166,62 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
+@triton.jit
+def _mass_kernel(
+    q_ptr, k_ptr, tables_ptr, lengths_ptr, m_ptr, l_ptr, ks_ptr, mass_ptr,
+    scale, D, split_tokens,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_ksb, stride_ksh, stride_ksd,
+    stride_ts, stride_tb,
+    stride_ms, stride_mh,
+    stride_ws, stride_wh, stride_wt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """Per-token attention mass of one KV head's G query heads over one split: ``exp(s - M) / L`` with
+    the global max M and sum-exp L of each head (from the split kernel's partials), summed over the G
+    heads -> ``mass[seq, kv_head, token]``. A second, K-only pass: re-compression's cheap reduction."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    q_mask = g_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(
+        q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_mask
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    table = tables_ptr + seq * stride_ts
+    if QUANT:
+        first = tl.load(table).to(tl.int64)
+        ks = tl.load(
+            ks_ptr + first * stride_ksb + kv_head * stride_ksh + offs_d * stride_ksd, mask=offs_d < D
+        )
+        q = q.to(tl.float32) * ks.to(tl.float32)[None, :]
+    m_g = tl.load(m_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=0.0)
+    inv_l = 1.0 / tl.load(l_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=1.0)
+    k_base = k_ptr + kv_head * stride_kh
+    start = split * split_tokens
+    end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        tok_ok = offs_n < end
+        block = tl.load(table + (offs_n // PAGE) * stride_tb, mask=tok_ok, other=0).to(tl.int64)
+        slot = offs_n % PAGE
+        k = _load_tokens(k_base, block * stride_kb + slot * stride_kt, offs_d, tok_ok, D, stride_kd)
+        if UPCAST or QUANT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        p = tl.exp(s - m_g[:, None]) * inv_l[:, None]
+        p = tl.where(g_ok[:, None] & tok_ok[None, :], p, 0.0)
+        w_off = seq * stride_ws + kv_head * stride_wh + offs_n * stride_wt
+        tl.store(mass_ptr + w_off, tl.sum(p, axis=0), mask=tok_ok)
+
+
 def _check_triton_device(t: Tensor, kernel) -> None:
     if t.is_cuda:
         return
@@ -174,6 +253,9 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int = 64,
     validate: bool = True,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    mass_out: Tensor | None = None,
 ) -> Tensor:
     """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
 
@@ -182,14 +264,21 @@ def paged_decode_attention(
     ``max_length``: an upper bound of ``lengths`` (else read from the device, a sync).
     ``num_splits``: splits per sequence (else sized to the device). ``block_n``: tokens per tile.
     ``validate``: check lengths and the needed block ids (a device sync; off in a hot loop).
+    ``k_scale``, ``v_scale``: an int8 pool's scales; ``mass_out`` ``[S, >= max_length]`` fp32: each token's
+    attention probability summed over all query heads is added in place (``_mass_kernel``).
     """
-    n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(
+        q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale
+    )
     if validate:
         check_paged_values(block_tables, lengths, n_blocks, page)
     if not (q.is_cuda or force_triton):
         if out is not None:
             raise ValueError("out= is only supported on the Triton path")
-        return paged_decode_reference(q, k_pool, v_pool, block_tables, lengths, scale=scale, validate=False)
+        return paged_decode_reference(
+            q, k_pool, v_pool, block_tables, lengths, scale=scale, validate=False,
+            k_scale=k_scale, v_scale=v_scale, mass_out=mass_out,
+        )  # fmt: skip
     _check_triton_device(q, _split_kernel)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -219,20 +308,40 @@ def paged_decode_attention(
     if _POISON_WORKSPACE:
         for t in (m_part, l_part, acc_part):
             t.fill_(float("nan"))
+    quant = k_scale is not None
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     block_d = max(16, triton.next_power_of_2(dim))
     m_strides = m_part.stride()
     a_strides = acc_part.stride()
+    ks, vs = (k_scale, v_scale) if quant else (m_part, m_part)  # unread when not quantized
+    fp32 = q.dtype == torch.float32 or upcast or (quant and not q.is_cuda)
     _split_kernel[(n_seq, n_kv, splits)](
-        q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part,
+        q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part, ks, vs,
         scale, dim, split_tokens,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(), *m_strides, *a_strides,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *ks.stride(), *vs.stride(),
+        *block_tables.stride(), *m_strides, *a_strides,
         GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
         BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant,
     )  # fmt: skip
     _combine_kernel[(n_seq, n_heads)](
         m_part, l_part, acc_part, out, splits, dim, *m_strides, *a_strides, *out.stride(),
         BLOCK_P=min(32, max(16, triton.next_power_of_2(splits))), BLOCK_D=block_d,
     )  # fmt: skip
+    if mass_out is not None:
+        if mass_out.shape[0] != n_seq or mass_out.shape[1] < max_length:
+            raise ValueError(f"mass_out must be [S={n_seq}, >= {max_length}]")
+        m_glob = m_part.amax(dim=2)  # split 0 always holds token 0: finite
+        l_glob = (l_part * torch.exp(m_part - m_glob[..., None])).sum(dim=2)
+        per_head = q.new_zeros((n_seq, n_kv, max_length), dtype=torch.float32)
+        _mass_kernel[(n_seq, n_kv, splits)](
+            q, k_pool, block_tables, lengths, m_glob, l_glob, ks, per_head,
+            scale, dim, split_tokens,
+            *q.stride(), *k_pool.stride(), *ks.stride(), *block_tables.stride(), *m_glob.stride(),
+            *per_head.stride(),
+            GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
+            BLOCK_N=block_n, BLOCK_D=block_d,
+            PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant,
+        )  # fmt: skip
+        mass_out[:, :max_length] += per_head.sum(dim=1)
     return out

@@ -9,6 +9,15 @@ Shapes (S sequences, H query heads, H_kv KV heads, G = H // H_kv, P tokens per b
 - ``lengths``: ``[S]`` int32, valid tokens per sequence (>= 1)
 
 Output ``[S, H, D]`` in ``q``'s dtype: ``softmax(scale * q k^T) v`` over each sequence's valid tokens.
+
+int8 pools (``--kv-dtype int8``, KIVI): ``k_pool``/``v_pool`` are int8 and come with ``k_scale``
+``[num_blocks, H_kv, D]`` (per channel; every block of one sequence's layer holds the same scales) and
+``v_scale`` ``[num_blocks, H_kv, P]`` (per token), fp16. Dequantization is folded into the products:
+``q . (k * ks) = (q * ks) . k`` with the scales of the sequence's first block, and ``p @ (v * vs) =
+(p * vs) @ v``, so no dequantized K/V tile is ever materialized.
+
+``mass_out`` ``[S, T]`` fp32 (T >= max_blocks * P): each sequence's attention probabilities, summed over
+all query heads, are added at their token index (decode-phase re-compression accumulates them).
 """
 
 from __future__ import annotations
@@ -27,7 +36,13 @@ _SCRATCH = threading.local()
 
 
 def check_paged_inputs(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    lengths: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """Validate shapes, dtypes and devices; return ``(S, H, D, num_blocks, H_kv, P)``."""
     if q.dim() != 3 or k_pool.dim() != 4:
@@ -51,11 +66,20 @@ def check_paged_inputs(
         raise TypeError(f"block_tables and lengths must be int32, got {block_tables.dtype}, {lengths.dtype}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"q must be fp32, fp16 or bf16, got {q.dtype}")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+    quantized = k_pool.dtype == torch.int8
+    if (k_scale is not None) != quantized or (v_scale is not None) != quantized:
+        raise TypeError("int8 pools need k_scale and v_scale, floating-point pools take neither")
+    if quantized:
+        if v_pool.dtype != torch.int8:
+            raise TypeError(f"k_pool is int8, v_pool {v_pool.dtype}")
+        if k_scale.shape != (n_blocks, n_kv, dim) or v_scale.shape != (n_blocks, n_kv, page):
+            raise ValueError(f"scales {tuple(k_scale.shape)}, {tuple(v_scale.shape)} do not fit the pool")
+    elif k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise TypeError(
             f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
         )
-    devices = {t.device for t in (q, k_pool, v_pool, block_tables, lengths)}
+    scales = () if k_scale is None else (k_scale, v_scale)
+    devices = {t.device for t in (q, k_pool, v_pool, block_tables, lengths, *scales)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     return n_seq, n_heads, dim, n_blocks, n_kv, page
@@ -115,16 +139,25 @@ def paged_decode_reference(
     scale: float,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     validate: bool = True,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    mass_out: Tensor | None = None,
 ) -> Tensor:
     """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
 
     Sequences are processed longest first in chunks whose gathered K + V stay under ``chunk_bytes``
     (fp32 compute; the gather buffers are kept per thread and reused); each chunk is padded only to
-    its own longest sequence.
+    its own longest sequence. ``k_scale``/``v_scale``: an int8 pool's scales; ``mass_out``: see the module.
     """
-    n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(
+        q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale
+    )
     if validate:
         check_paged_values(block_tables, lengths, n_blocks, page)
+    if mass_out is not None and (
+        mass_out.shape[0] != n_seq or mass_out.shape[1] < block_tables.shape[1] * page
+    ):
+        raise ValueError(f"mass_out must be [S={n_seq}, >= {block_tables.shape[1] * page}]")
     group = n_heads // n_kv
     out = torch.empty_like(q)
     if n_seq == 0:
@@ -146,10 +179,18 @@ def paged_decode_reference(
             kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk)
             vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv)
         # K @ q^T and p^T @ V (transposed views): faster than q @ K^T for the few rows of a GQA group.
-        qq = (q[idx].float() * scale).view(c * n_kv, group, dim)
+        qq = (q[idx].float() * scale).view(c, n_kv, group, dim)
+        if k_scale is not None:  # q . (k * ks) = (q * ks) . k: one scale row per (sequence, KV head)
+            qq = qq * k_scale[table[:, 0]].float().view(c, n_kv, 1, dim)
+        qq = qq.view(c * n_kv, group, dim)
         s = torch.bmm(kk.view(c * n_kv, n_tok, dim), qq.transpose(1, 2))  # [c * H_kv, n_tok, G]
         s.view(c, n_kv, n_tok, group).masked_fill_(pad.view(c, 1, n_tok, 1), -math.inf)
         probs = torch.softmax(s, dim=1)
+        if mass_out is not None:
+            mass_out[idx, :n_tok] += probs.view(c, n_kv * n_tok, group).sum(-1).view(c, n_kv, n_tok).sum(1)
+        if v_scale is not None:  # p @ (v * vs) = (p * vs) @ v
+            vs = v_scale[table].float().transpose(1, 2).reshape(c * n_kv, n_tok, 1)
+            probs = probs * vs
         o = torch.bmm(probs.transpose(1, 2), vv.view(c * n_kv, n_tok, dim))  # [c * H_kv, G, D]
         out[idx] = o.view(c, n_heads, dim).to(q.dtype)
         start = stop

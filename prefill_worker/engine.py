@@ -23,6 +23,8 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.prefill_worker.image_cache import ImageCache
+from vlkv.prefill_worker.image_reuse import ImageReuser, ReuseReport
 
 
 @dataclass
@@ -31,6 +33,7 @@ class PrefillResult:
     modality: ModalityMap
     policy: str
     prefill_ms: float
+    reuse: ReuseReport | None = None  # what the image cache did (None: no cache on this worker)
 
 
 class StatsCollector:
@@ -45,8 +48,10 @@ class StatsCollector:
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         if query.shape[0] != 1:
             raise ValueError("statistics are collected for one sequence at a time")
+        # Rows q_start .. m-1 are the query's last rows (a reuse forward passes only its recomputed rows).
+        rows = query.shape[2] - (key.shape[2] - self.q_start)
         self.per_layer[layer_idx] = attention_stats(
-            query[0, :, self.q_start :], key[0], q_start=self.q_start, scale=scaling, threshold=self.threshold
+            query[0, :, rows:], key[0], q_start=self.q_start, scale=scaling, threshold=self.threshold
         )
 
     def stats(self, num_layers: int) -> list:
@@ -57,11 +62,13 @@ class StatsCollector:
 
 
 class PrefillEngine:
-    def __init__(self, model, spec: ModelSpec) -> None:
+    def __init__(self, model, spec: ModelSpec, image_cache: ImageCache | None = None) -> None:
         use_vlkv_attention(model)
         self.model = model
         self.spec = spec
         self.device = next(model.parameters()).device
+        self.image_cache = image_cache
+        self.reuser = ImageReuser(model, spec, image_cache) if image_cache is not None else None
 
     @torch.inference_mode()
     def forward(self, req: PreparedRequest, observer=None) -> tuple[torch.Tensor, list, list]:
@@ -86,6 +93,16 @@ class PrefillEngine:
         layers = cache.layers[: self.spec.num_layers]
         return out.logits[0, -1].float(), [x.keys[0] for x in layers], [x.values[0] for x in layers]
 
+    def forward_cached(self, req: PreparedRequest, observer=None, q_start: int = 0):
+        """``forward`` through the image cache when this worker has one (``image_reuse.ImageReuser``: reuse
+        the images' K/V on a hit, store them on a miss): ``(logits, keys, values, ReuseReport | None)``."""
+        if self.reuser is None or not self.reuser.active:
+            return (*self.forward(req, observer), None)
+        try:
+            return self.reuser.forward(req, observer, q_start)
+        except (ValueError, IndexError) as exc:  # inputs that do not fit this model
+            raise InvalidInput(f"the model rejected the prepared inputs: {exc}") from None
+
     def run(self, req: PreparedRequest) -> PrefillResult:
         start = time.perf_counter()
         m, tau = req.modality.m, req.modality.tau
@@ -95,7 +112,7 @@ class PrefillEngine:
         collector = None
         if policy.requires_stats and not full:
             collector = StatsCollector(policy.query_start(m, tau), compression.threshold)
-        logits, keys, values = self.forward(req, collector)
+        logits, keys, values, reuse = self.forward_cached(req, collector, policy.query_start(m, tau))
         generator = None if sampling.greedy else make_generator(sampling.seed)
         try:
             first = sample_token(logits, sampling, generator)
@@ -108,4 +125,4 @@ class PrefillEngine:
                 stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first
             )
         name = "full" if full else compression.policy
-        return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000)
+        return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000, reuse)

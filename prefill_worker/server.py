@@ -23,10 +23,12 @@ from vlkv.common.config import PrefillConfig
 from vlkv.common.errors import Refusal, VlkvError
 from vlkv.common.grpc_server import abort_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
+from vlkv.common.handoff.quantize import quantize_compact
 from vlkv.common.handoff.wire import KVWireError, compact_header
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import from_prefill_proto
 from vlkv.prefill_worker.engine import PrefillEngine
+from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.peers import DecodePeers
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -37,7 +39,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, model, spec: ModelSpec, cfg: PrefillConfig, nixl: NixlAgent | None = None) -> None:
         self.cfg = cfg
         self.spec = spec
-        self.engine = PrefillEngine(model, spec)
+        self.image_cache = ImageCache(cfg.image_cache_mb << 20)
+        self.engine = PrefillEngine(model, spec, self.image_cache)
         self.address = ""
         self.draining = False
         self.running = 0
@@ -97,12 +100,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prefill_ms=result.prefill_ms,
             transfer_ms=transfer_ms,
             policy=result.policy,
+            image_cache_hit=bool(result.reuse and result.reuse.hit),
+            recomputed_image_tokens=result.reuse.recomputed_tokens if result.reuse else 0,
+            recompute_ratio=result.reuse.ratio if result.reuse and result.reuse.hit else 1.0,
         )
 
     def _run_counted(self, *args):
         self.running += 1
         try:
-            return self.engine.run(*args)
+            result = self.engine.run(*args)
+            result.cache = quantize_compact(result.cache, self.cfg.transfer.kv_dtype)  # --kv-dtype
+            return result
         finally:
             self.running -= 1
 
@@ -113,4 +121,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             waiting=max(0, self.waiting - self.running),
             draining=self.draining,
             model_fingerprint=self.spec.fingerprint,
+            image_cache=cache_stats_proto(self.image_cache),
         )
+
+
+def cache_stats_proto(cache: ImageCache) -> worker_pb2.ImageCacheStats:
+    s = cache.stats()
+    return worker_pb2.ImageCacheStats(
+        entries=s.entries,
+        bytes_held=s.bytes_held,
+        capacity_bytes=s.capacity,
+        hits=s.hits,
+        misses=s.misses,
+        evictions=s.evictions,
+    )

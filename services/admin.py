@@ -35,8 +35,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         in_flight=w.in_flight,
                         swapped=w.load.swapped,
                         preemptions=w.load.preemptions,
+                        kv_dtype=w.load.kv_dtype,
+                        block_bytes=w.load.block_bytes,
                     )
                 )
+                if kind == "prefill" and w.load.HasField("image_cache"):
+                    out.workers[-1].image_cache.CopyFrom(w.load.image_cache)
         for e in self.autoscaler.events if self.autoscaler else []:
             out.events.append(
                 admin_pb2.ScalingEvent(

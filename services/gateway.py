@@ -32,6 +32,7 @@ from vlkv.common.errors import InvalidInput, Refusal, VlkvError, refusal_of
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest, prepare_request, to_prefill_proto
+from vlkv.common.reuse import ANONYMOUS, tenant_of
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.router import DecodeSlot, Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
@@ -83,7 +84,13 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
     async def stop(self) -> None:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _validate(self, request: generate_pb2.GenerateRequest) -> PreparedRequest:
+    def tenant(self, authorization: str) -> str:
+        """The image cache's tenant of a caller: its API token's identity (one anonymous tenant without)."""
+        return tenant_of(authorization) if self.cfg.security.api_token else ANONYMOUS
+
+    async def _validate(
+        self, request: generate_pb2.GenerateRequest, tenant: str = ANONYMOUS
+    ) -> PreparedRequest:
         """The one validation of a request: everything a worker needs, checked before any worker works,
         in the validation thread pool (never on the event loop)."""
         if len(request.request_id) > MAX_REQUEST_ID:
@@ -92,21 +99,31 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         return await loop.run_in_executor(
             self._prepare_pool,
             lambda: prepare_request(
-                request, self.processor, self.spec, self.cfg.limits, default_seed=secrets.randbits(62)
+                request,
+                self.processor,
+                self.spec,
+                self.cfg.limits,
+                default_seed=secrets.randbits(62),
+                tenant=tenant,
             ),
         )
 
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillReply:
         """Run the prefill; a worker that is gone (UNAVAILABLE) gets one retry on another worker."""
         tried: set[str] = set()
+        images = tuple(request.image_hashes)
         while True:
-            worker = self.router.pick_prefill(exclude=tried)
+            worker = self.router.pick_prefill(exclude=tried, images=images, tenant=request.tenant)
             tried.add(worker.address)
             worker.in_flight += 1
             try:
                 reply = await worker.stub.Prefill(request, timeout=self.cfg.transfer.deadline_s * 2)
                 self.metrics.prefill.observe(reply.prefill_ms / 1000)
                 self.metrics.hand_off.observe(reply.transfer_ms / 1000)
+                if images:
+                    self.metrics.image_cache.labels("hit" if reply.image_cache_hit else "miss").inc()
+                    if request.reuse.reuse != "off":
+                        self.router.note_images(worker.address, images, request.tenant)
                 return reply
             except grpc.aio.AioRpcError as exc:
                 retry = (
@@ -127,19 +144,22 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
 
     @abort_stream_on_error
     async def Generate(self, request, context):
-        async for resp in self.stream(request, front="grpc"):
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = self.tenant(str(metadata.get("authorization", "")))
+        async for resp in self.stream(request, front="grpc", tenant=tenant):
             yield resp
 
-    async def stream(self, request: generate_pb2.GenerateRequest, *, front: str):
+    async def stream(self, request: generate_pb2.GenerateRequest, *, front: str, tenant: str = ANONYMOUS):
         """One request's responses (token chunks, then ``finished``), counted in the metrics under ``front``
-        (``grpc``, ``http``): the one serving path of every public front. Raises VlkvError."""
+        (``grpc``, ``http``): the one serving path of every public front; ``tenant``: the caller (``tenant``), whose
+        images' cache entries are its own. Raises VlkvError."""
         start = time.perf_counter()
         self.requests_total += 1
         self.in_flight += 1
         self.metrics.in_flight.labels(front).inc()
         status = "OK"
         try:
-            async for resp in self._generate(request, start, front):
+            async for resp in self._generate(request, start, front, tenant):
                 yield resp
         except VlkvError as exc:
             public = self._public_error(exc)
@@ -166,7 +186,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         log.warning("request failed: %s: %s (answered %s)", exc.code.name, exc.message, code.name)
         return VlkvError(message, code, exc.reason)
 
-    async def _generate(self, request, start: float, front: str):
+    async def _generate(self, request, start: float, front: str, tenant: str = ANONYMOUS):
         # Workers key everything on this id, drawn here: two callers (or one caller twice) choosing the
         # same request_id never meet inside. The caller's id is only echoed back in the responses.
         rid = uuid.uuid4().hex
@@ -174,7 +194,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         logs.request_id.set(rid)
         if request.request_id:
             log.info("request %s: caller's request_id %r", rid, request.request_id[:MAX_REQUEST_ID])
-        req = await self._validate(request)
+        req = await self._validate(request, tenant)
         req.request_id = rid
         layer_tokens = req.compression.layer_tokens_estimate(req.m, self.spec.num_layers)
         sampling = req.sampling
@@ -233,6 +253,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 else:
                     usage = resp.finished.usage
                     usage.ttft_ms = ttft_ms
+                    await _add_reuse_usage(usage, prefill_task)
                     self.metrics.compression.observe(usage.compression_ratio)
                     self.metrics.kv_bytes.inc(usage.kv_bytes_kept)
                 yield resp
@@ -279,6 +300,17 @@ def redact_addresses(message: str, known: list[str]) -> str:
         if address:
             message = message.replace(address, "<worker>")
     return _ADDRESS.sub("<worker>", message)
+
+
+async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Future) -> None:
+    """The image cache's figures of the prefill (its reply comes right after the hand-off it fed)."""
+    try:
+        reply = await asyncio.shield(prefill_task)
+    except Exception:  # noqa: BLE001 - the prefill's failure is reported by the caller, not here
+        return
+    usage.image_cache_hit = reply.image_cache_hit
+    usage.recomputed_image_tokens = reply.recomputed_image_tokens
+    usage.recompute_ratio = reply.recompute_ratio
 
 
 def _prefill_failure(task: asyncio.Future) -> VlkvError | None:

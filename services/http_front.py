@@ -237,7 +237,8 @@ async def _collect(stream) -> tuple[str, list[int], generate_pb2.Finished]:
 
 
 async def _respond(gateway, request: Request, pb, req, shape: _Shape, cfg: HttpFrontConfig) -> Response:
-    stream = gateway.stream(pb, front="http")
+    tenant = gateway.tenant(request.headers.get("authorization", ""))
+    stream = gateway.stream(pb, front="http", tenant=tenant)
     rid, created = pb.request_id, int(time.time())
     head = {"id": shape.prefix + rid, "created": created, "model": cfg.model_id}
     headers = {"x-request-id": rid}

@@ -50,6 +50,21 @@ class GatewayMetrics:
             "caches a decode worker refused for room, sent again elsewhere",
             registry=r,
         )
+        self.image_cache = Counter(
+            "vlkv_image_cache_requests",
+            "requests with images by prefill image-cache result (hit: every image reused)",
+            ["result"],
+            registry=r,
+        )
+        self.image_cache_bytes = Gauge(
+            "vlkv_image_cache_bytes", "bytes a prefill worker's image cache holds", ["address"], registry=r
+        )
+        self.image_cache_events = Gauge(
+            "vlkv_image_cache_events",
+            "a prefill worker's image-cache lookups and evictions since it started",
+            ["address", "event"],
+            registry=r,
+        )
         labels = ["kind", "address"]
         self.worker_running = Gauge("vlkv_worker_running", "requests running on a worker", labels, registry=r)
         self.worker_waiting = Gauge("vlkv_worker_waiting", "requests queued on a worker", labels, registry=r)
@@ -75,6 +90,12 @@ class GatewayMetrics:
             ["address"],
             registry=r,
         )
+        self.pool_kv_bytes = Gauge(
+            "vlkv_decode_kv_bytes",
+            "bytes of a decode worker's KV pool (total) and of its blocks in use (used), in its kv dtype",
+            ["address", "kv_dtype", "state"],
+            registry=r,
+        )
 
 
 def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):
@@ -93,7 +114,20 @@ def record_loads(metrics: GatewayMetrics, router) -> None:
             metrics.worker_waiting.labels(kind, w.address).set(
                 w.load.waiting + (w.in_flight if kind == "prefill" else 0)
             )
+            if kind == "prefill" and w.load.HasField("image_cache"):
+                ic = w.load.image_cache
+                metrics.image_cache_bytes.labels(w.address).set(ic.bytes_held)
+                for event in ("hits", "misses", "evictions"):
+                    metrics.image_cache_events.labels(w.address, event).set(getattr(ic, event))
             if kind == "decode" and w.load.total_blocks:
                 metrics.pool_occupancy.labels(w.address).set(1 - w.load.free_blocks / w.load.total_blocks)
                 metrics.swapped.labels(w.address).set(w.load.swapped)
                 metrics.preemptions.labels(w.address).set(w.load.preemptions)
+                if w.load.block_bytes:
+                    for state, blocks in (
+                        ("total", w.load.total_blocks),
+                        ("used", w.load.total_blocks - w.load.free_blocks),
+                    ):
+                        metrics.pool_kv_bytes.labels(w.address, w.load.kv_dtype, state).set(
+                            blocks * w.load.block_bytes
+                        )

@@ -90,6 +90,9 @@ class VlkvOptions(BaseModel):
     exact_budget: bool = False
     top_k: int | None = Field(None, ge=0, le=UINT32)
     return_token_ids: bool = False  # choices (and stream deltas) carry the generated token ids
+    reuse: str = ""  # image cache: "auto" (default) or "off" (ReuseParams)
+    recompute_ratio: float | None = None
+    reuse_mode: str = ""  # "vlcache" (default), "mpic", "none"
 
 
 class ImageURL(BaseModel):
@@ -243,11 +246,19 @@ def _compression(v: VlkvOptions) -> generate_pb2.CompressionParams:
     return c
 
 
+def _reuse(v: VlkvOptions) -> generate_pb2.ReuseParams:
+    out = generate_pb2.ReuseParams(reuse=v.reuse, mode=v.reuse_mode)
+    if v.recompute_ratio is not None:
+        out.recompute_ratio = v.recompute_ratio
+    return out
+
+
 def chat_to_proto(r: ChatRequest, images: list[bytes], request_id: str) -> generate_pb2.GenerateRequest:
     """The gRPC request for a chat completion; ``images`` are the decoded ``image_urls()``, in order."""
     req = generate_pb2.GenerateRequest(
         request_id=request_id, images=images, sampling=_sampling(r), compression=_compression(r.vlkv)
     )
+    req.reuse.CopyFrom(_reuse(r.vlkv))
     req.chat.SetInParent()
     for m in r.messages:
         parts = []
@@ -297,5 +308,8 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "layer_budgets": list(u.layer_budgets),
             "ttft_ms": round(u.ttft_ms, 3),
             "policy": u.policy,
+            "image_cache_hit": u.image_cache_hit,
+            "recomputed_image_tokens": u.recomputed_image_tokens,
+            "recompute_ratio": round(u.recompute_ratio, 6),
         },
     }

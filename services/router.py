@@ -1,8 +1,15 @@
-"""Chooses workers for a request: least-loaded prefill worker, decode worker with room in its KV pool.
+"""Chooses workers for a request: a prefill worker (one holding the request's images in its image cache, unless
+it is much busier than the least-loaded one), a decode worker with room in its KV pool.
 
 The gateway counts its own in-flight prefills per worker (no extra round trip); for decode it asks each
 worker's ``GetLoad`` and picks the one with the most free blocks among those that are not draining and
 whose free blocks cover the request's estimated need. Workers that do not answer are skipped.
+
+Cache-aware prefill routing: the gateway remembers (bounded, least recently used first out) which prefill
+worker last prefilled each (tenant, image hash); a request goes to the worker holding most of its images
+unless that worker has more than ``BUSY_MARGIN`` requests in flight beyond the least-loaded worker (then
+the least-loaded one prefills it and becomes the holder). A worker may have evicted the image since: that
+costs a miss there, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,6 +30,8 @@ from vlkv.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 2.0
 ADMIT_POLL_S = 0.02  # how often the head of the admission queue asks the decode workers for room
+BUSY_MARGIN = 2  # a holder of the images is "much busier" with more than this many extra requests in flight
+MAX_IMAGE_HOLDERS = 65536  # (tenant, image hash) -> prefill worker entries the gateway remembers
 
 
 @dataclass
@@ -58,6 +67,7 @@ class Router:
         self.prefill: dict[str, Worker] = {}
         self.decode: dict[str, Worker] = {}
         self._admit_queue: deque[object] = deque()  # requests waiting for a decode worker with room
+        self._holders: OrderedDict[tuple[str, str], str] = OrderedDict()  # (tenant, image) -> address
 
     @property
     def num_queued(self) -> int:
@@ -90,12 +100,35 @@ class Router:
             if address in pool:
                 pool[address].draining = True
 
-    def pick_prefill(self, exclude: set[str] = frozenset()) -> Worker:
-        """The serving prefill worker with the fewest requests in flight from this gateway."""
+    def pick_prefill(
+        self, exclude: set[str] = frozenset(), images: tuple[str, ...] = (), tenant: str = ""
+    ) -> Worker:
+        """The serving prefill worker that holds most of ``images`` (of ``tenant``) if it is not much busier
+        than the least-loaded one (``BUSY_MARGIN``), else the one with the fewest requests in flight."""
         live = [w for w in self.prefill.values() if not w.draining and w.address not in exclude]
         if not live:
             raise Unavailable("no prefill worker is available")
-        return min(live, key=lambda w: (not w.reachable, w.in_flight))
+        least = min(live, key=lambda w: (not w.reachable, w.in_flight))
+        held: dict[str, int] = {}
+        for image in images:
+            address = self._holders.get((tenant, image))
+            if address is not None:
+                held[address] = held.get(address, 0) + 1
+        holders = [w for w in live if w.reachable and held.get(w.address)]
+        if holders:
+            best = max(holders, key=lambda w: (held[w.address], -w.in_flight))
+            if best.in_flight - least.in_flight <= BUSY_MARGIN:
+                return best
+        return least
+
+    def note_images(self, address: str, images: tuple[str, ...], tenant: str = "") -> None:
+        """``address`` prefilled these images (it holds them in its image cache now)."""
+        for image in images:
+            key = (tenant, image)
+            self._holders[key] = address
+            self._holders.move_to_end(key)
+        while len(self._holders) > MAX_IMAGE_HOLDERS:
+            self._holders.popitem(last=False)
 
     async def _poll(self, w: Worker) -> worker_pb2.WorkerLoad | None:
         try:

@@ -42,10 +42,13 @@ def _server_config(args) -> ServerConfig:
             max_batch=args.max_batch,
             admission=args.admission,
             swap_bytes=int(args.swap_mb * (1 << 20)),
+            decode_budget=args.decode_budget,
+            decode_window=args.decode_window,
         ),
         queue=QueueConfig(max_waiting=args.max_waiting),
-        transfer=TransferConfig(kv_transport=args.kv_transport),
+        transfer=TransferConfig(kv_transport=args.kv_transport, kv_dtype=args.kv_dtype),
         host=args.host,
+        image_cache_mb=args.image_cache_mb,
     )
 
 
@@ -96,7 +99,28 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "unencrypted: trusted fabrics only), grpc, or auto (nixl where both workers have it and TLS is off)",
     )
     p.add_argument(
+        "--kv-dtype",
+        choices=["fp16", "int8"],
+        default="fp16",
+        help="how compact caches travel and are stored: fp16 (the model's dtype) or int8 (KIVI: per-channel "
+        "K and per-token V scales; about half the bytes, twice the sequences per pool)",
+    )
+    p.add_argument(
+        "--decode-budget",
+        type=float,
+        default=0.0,
+        help="decode-phase re-compression (0: off): a layer keeps at most this fraction of its prompt-time "
+        "tokens plus --decode-window, dropping the least-attended older tokens as it grows",
+    )
+    p.add_argument("--decode-window", type=int, default=32, help="recent tokens re-compression always keeps")
+    p.add_argument(
         "--max-waiting", type=int, default=256, help="requests queued while no decode worker has room"
+    )
+    p.add_argument(
+        "--image-cache-mb",
+        type=int,
+        default=256,
+        help="each prefill worker's image cache (reused image K/V, LRU) in MiB; 0 = off",
     )
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
     p.add_argument(
@@ -327,18 +351,30 @@ def cmd_status(args) -> int:
         f"waiting for KV room: {st.admission_queue}"
     )
     print(
-        f"{'kind':8} {'address':22} {'state':12} {'in-flight':>9} {'running':>8} {'waiting':>8} {'KV pool':>16} "
+        f"{'kind':8} {'address':22} {'state':12} {'in-flight':>9} {'running':>8} {'waiting':>8} {'KV pool (blocks, bytes)':>16} "
         f"{'preempted':>10}"
     )
+    caches = []
     for w in st.workers:
+        if w.kind == "prefill" and w.HasField("image_cache"):
+            caches.append((w.address, w.image_cache))
         pool = swapped = ""
         if w.kind == "decode" and w.total_blocks:
             used = w.total_blocks - w.free_blocks
             pool = f"{used}/{w.total_blocks} ({used / w.total_blocks:.0%})"
+            if w.block_bytes:  # the pool's bytes in its kv dtype
+                pool += f" {w.kv_dtype} {used * w.block_bytes / (1 << 20):.0f}/{w.total_blocks * w.block_bytes / (1 << 20):.0f}MiB"
             swapped = f"{w.swapped} now/{w.preemptions}"
         print(
             f"{w.kind:8} {w.address:22} {w.state:12} {w.in_flight:>9} {w.running:>8} {w.waiting:>8} {pool:>16} "
             f"{swapped:>10}"
+        )
+    for address, c in caches:
+        looked = c.hits + c.misses
+        print(
+            f"image cache {address}: {c.entries} images, {c.bytes_held / (1 << 20):.1f}/"
+            f"{c.capacity_bytes / (1 << 20):.0f} MiB, hits {c.hits}/{looked}"
+            f"{f' ({c.hits / looked:.0%})' if looked else ''}, evictions {c.evictions}"
         )
     for e in st.events[-args.events :]:
         stamp = time.strftime("%H:%M:%S", time.localtime(e.unix_time))
@@ -356,7 +392,23 @@ def cmd_eval(args) -> int:
     return run_eval(args)
 
 
+def cmd_calibrate_reuse(args) -> int:
+    from vlkv.tools.calibrate_reuse import run
+
+    path = run(args.model, n=args.n, seed=args.seed, out=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_bench(args) -> int:
+    if args.what == "image-reuse":
+        from vlkv.tools.bench.image_reuse import run as run_image_reuse
+
+        return run_image_reuse(args.model, args.out, args.quick, load=not args.no_load)
+    if args.what == "capacity":
+        from vlkv.tools.bench.capacity import run as run_capacity
+
+        return run_capacity(args.out if args.out != "out/bench" else "out/bench_capacity", args.quick)
     from vlkv.tools.bench.report import run_bench
 
     return run_bench(args)
@@ -442,13 +494,36 @@ def main(argv: list[str] | None = None) -> int:
         help="ask every question through a local gateway + workers (real gRPC) at full and --policy at "
         "--budgets; compare with the in-process answers -> api_check.md",
     )
+    p.add_argument(
+        "--kv-dtype", choices=["fp16", "int8"], default="fp16", help="how the decoded cache is stored"
+    )
+    p.add_argument(
+        "--decode-budget", type=float, default=0.0, help="decode-phase re-compression (0: off), as in serve"
+    )
+    p.add_argument("--decode-window", type=int, default=32, help="recent tokens re-compression always keeps")
+    p.add_argument(
+        "--min-new-tokens", type=int, default=0, help="long answers: EOS does not end one before this many"
+    )
+    p.add_argument(
+        "--kv-table",
+        action="store_true",
+        help="only the KV storage table: --policy/--budget in fp16 vs --kv-dtype int8, and long answers "
+        "(>= 64 tokens) with decode re-compression off vs on -> kv.md (--table with --kv-dtype or "
+        "--decode-budget adds it after the sweep)",
+    )
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="benchmark report: vlkv (vlcache, full) against a Hugging Face server")
-    p.add_argument("what", choices=["all"], help="what to run (all: every table and figure)")
+    p.add_argument(
+        "what",
+        choices=["all", "image-reuse", "capacity"],
+        help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
+        "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
+        "fp16 decode speed -> out/bench_capacity)",
+    )
     p.add_argument("--quick", action="store_true", help="small counts: finishes within 10 minutes on 2 cores")
     p.add_argument("--out", default="out/bench", help="where report.md, results.json and the plots go")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
@@ -456,7 +531,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kvpress", default="auto", choices=["auto", "off"], help="compare NVIDIA kvpress presses"
     )
+    p.add_argument("--no-load", action="store_true", help="image-reuse: skip the load run through the API")
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "nixl", "grpc"],
+        help="all: the KV hand-off of the vlkv systems (auto: NIXL where both workers have it)",
+    )
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "calibrate-reuse",
+        help="measure per-layer sensitivity to reused image K/V; write reuse_calibration.json beside the model",
+    )
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("-n", type=int, default=8, help="examples (synthetic task, training split)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="where to write (default: <model>/reuse_calibration.json)")
+    p.set_defaults(func=cmd_calibrate_reuse)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,7 +13,8 @@ Status codes (``KVWireError.code``):
 - DATA_LOSS: corruption or loss - CRC-32C mismatch, bytes that do not parse as a KVChunk
   (``feed_wire``), trailer totals that disagree with what arrived, bytes missing at the trailer, a
   stream that ends (``finish()``) before its trailer.
-- FAILED_PRECONDITION: a sane header whose fingerprint, layout or dtype is not this worker's model.
+- FAILED_PRECONDITION: a sane header whose fingerprint, layout or dtype is not this worker's model, or
+  whose ``kv_dtype`` (fp16 / int8) is not the one this worker's pool stores.
 - CANCELLED: ``abort()`` by the caller (stored so later calls re-raise it).
 
 Chunks of one tensor must arrive in order (offset == bytes already received); different tensors and
@@ -27,6 +28,7 @@ memoryview the caller reuses) are always copied.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -36,7 +38,7 @@ from google.protobuf.message import DecodeError
 from vlkv.common.errors import Refusal
 from vlkv.common.handoff.codec import crc32c, parse_data_wire
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVWireError, dtype_name
+from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVWireError, dtype_name, layer_shapes
 from vlkv.common.model.spec import KVLayout
 from vlkv.v1 import kv_pb2
 
@@ -54,10 +56,11 @@ def validate_header(
     max_total_bytes: int = 1 << 34,
     max_prompt_length: int = 1 << 22,
     max_header_bytes: int = 1 << 16,
+    expected_kv_dtype: str = "fp16",
 ) -> int:
     """Check a header for sanity (INVALID_ARGUMENT), then compatibility (FAILED_PRECONDITION).
 
-    Returns the number of K+V payload bytes the header announces.
+    Returns the number of payload bytes (K, V and any scales) the header announces.
     """
 
     def bad(msg: str) -> KVWireError:
@@ -69,6 +72,8 @@ def validate_header(
         raise bad(f"{header.ByteSize()} bytes > limit {max_header_bytes}")
     if header.dtype not in DTYPES:
         raise bad(f"unknown dtype {header.dtype!r}")
+    if header.kv_dtype not in ("", "int8"):
+        raise bad(f"unknown kv_dtype {header.kv_dtype!r}")
     if not 0 < header.num_layers <= max_header_layers:
         raise bad(f"num_layers {header.num_layers} outside [1, {max_header_layers}]")
     if header.num_kv_heads == 0 or header.head_dim == 0:
@@ -79,8 +84,7 @@ def validate_header(
         raise bad(f"prompt_length {header.prompt_length} outside [1, {max_prompt_length}]")
     if any(not 0 < k <= header.prompt_length for k in header.layer_lengths):
         raise bad(f"a layer length is outside [1, prompt_length={header.prompt_length}]")
-    token_bytes = header.num_kv_heads * header.head_dim * DTYPES[header.dtype].itemsize
-    total = 2 * token_bytes * sum(header.layer_lengths)
+    total = sum(map(sum, all_tensor_bytes(header)))
     if total > max_total_bytes:
         raise bad(f"announces {total} KV bytes > limit {max_total_bytes}")
 
@@ -99,7 +103,23 @@ def validate_header(
             f"KV layout (L, H_kv, D, dtype) {got} != this worker's {want}",
             Refusal.REFUSAL_LAYOUT_MISMATCH,
         )
+    got_kv = header.kv_dtype or "fp16"
+    if got_kv != expected_kv_dtype:
+        raise KVWireError(
+            _PRECONDITION,
+            f"the cache is stored as kv dtype {got_kv!r}, this decode worker's pool holds {expected_kv_dtype!r} "
+            f"(both workers of a deployment need the same --kv-dtype)",
+            Refusal.REFUSAL_LAYOUT_MISMATCH,
+        )
     return total
+
+
+def all_tensor_bytes(header: kv_pb2.KVHeader) -> list[list[int]]:
+    """Per layer, the bytes of each of its tensors in wire order (K, V, then int8 scales)."""
+    return [
+        [math.prod(shape) * dtype.itemsize for shape, dtype in layer_shapes(header, layer)]
+        for layer in range(header.num_layers)
+    ]
 
 
 def _immutable(payload: bytes | memoryview) -> bool:
@@ -126,6 +146,7 @@ class KVAssembler:
         max_total_bytes: int = 1 << 34,
         max_prompt_length: int = 1 << 22,
         max_header_bytes: int = 1 << 16,
+        expected_kv_dtype: str = "fp16",
         allocate: Callable[[kv_pb2.KVHeader], object] | None = None,
         release: Callable[[object], None] | None = None,
     ) -> None:
@@ -138,6 +159,7 @@ class KVAssembler:
             max_total_bytes=max_total_bytes,
             max_prompt_length=max_prompt_length,
             max_header_bytes=max_header_bytes,
+            expected_kv_dtype=expected_kv_dtype,
         )
         self._allocate = allocate
         self._release = release
@@ -243,10 +265,9 @@ class KVAssembler:
 
     def _on_header(self, header: kv_pb2.KVHeader) -> None:
         self.expected_bytes = validate_header(header, self._fingerprint, self._layout, **self._limits)
-        token_bytes = header.num_kv_heads * header.head_dim * DTYPES[header.dtype].itemsize
-        self._layer_bytes = [token_bytes * k for k in header.layer_lengths]
-        self._filled = [[0, 0] for _ in header.layer_lengths]
-        self._bufs = [[None, None] for _ in header.layer_lengths]
+        self._layer_bytes = all_tensor_bytes(header)
+        self._filled = [[0] * len(sizes) for sizes in self._layer_bytes]
+        self._bufs = [[None] * len(sizes) for sizes in self._layer_bytes]
         self.header = header
         if self._allocate is not None:
             self.handle = self._allocate(header)
@@ -259,11 +280,11 @@ class KVAssembler:
             raise KVWireError(_LOSS, f"CRC-32C mismatch in layer {layer} tensor {tensor} at offset {offset}")
         if layer >= len(self._layer_bytes):
             raise KVWireError(_INVALID, f"layer {layer} not in the header's {len(self._layer_bytes)}")
-        if tensor not in (kv_pb2.KV_TENSOR_KEY, kv_pb2.KV_TENSOR_VALUE):
+        if not 0 <= tensor < len(self._layer_bytes[layer]):
             raise KVWireError(_INVALID, f"unknown tensor kind {tensor}")
         if n == 0:
             raise KVWireError(_INVALID, "empty data chunk")
-        size, filled = self._layer_bytes[layer], self._filled[layer][tensor]
+        size, filled = self._layer_bytes[layer][tensor], self._filled[layer][tensor]
         where = f"layer {layer} tensor {tensor}"
         if offset != filled:
             kind = "overlaps" if offset < filled else "leaves a gap after"
@@ -290,19 +311,27 @@ class KVAssembler:
                 f"trailer says {t.num_chunks} chunks / {t.total_bytes} bytes, "
                 f"received {self.chunks_received} / {self.bytes_received}",
             )
-        for layer, (size, filled) in enumerate(zip(self._layer_bytes, self._filled, strict=True)):
-            if filled[0] != size or filled[1] != size:
-                raise KVWireError(
-                    _LOSS, f"layer {layer} incomplete: K {filled[0]}, V {filled[1]} of {size} bytes"
-                )
+        for layer, (sizes, filled) in enumerate(zip(self._layer_bytes, self._filled, strict=True)):
+            if filled != sizes:
+                raise KVWireError(_LOSS, f"layer {layer} incomplete: {filled} of {sizes} bytes per tensor")
         self._state = "trailer"
 
     def _build(self) -> tuple[kv_pb2.KVHeader, CompactKV]:
         h = self.header
         assert h is not None
-        dtype = DTYPES[h.dtype]
-        shapes = [(h.num_kv_heads, k, h.head_dim) for k in h.layer_lengths]
-        keys = [kv[0].view(dtype).view(s) for kv, s in zip(self._bufs, shapes, strict=True)]
-        values = [kv[1].view(dtype).view(s) for kv, s in zip(self._bufs, shapes, strict=True)]
+        layers = [
+            [
+                buf.view(dtype).view(shape)
+                for buf, (shape, dtype) in zip(bufs, layer_shapes(h, i), strict=True)
+            ]
+            for i, bufs in enumerate(self._bufs)
+        ]
         self._bufs = []
-        return h, CompactKV(keys, values, prompt_length=h.prompt_length, first_token=h.first_token_id)
+        keys, values = [t[0] for t in layers], [t[1] for t in layers]
+        scales = {}
+        if h.kv_dtype:
+            scales = dict(
+                k_scales=[t[2] for t in layers], v_scales=[t[3] for t in layers], source_dtype=DTYPES[h.dtype]
+            )
+        ckv = CompactKV(keys, values, prompt_length=h.prompt_length, first_token=h.first_token_id, **scales)
+        return h, ckv

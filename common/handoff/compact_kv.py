@@ -20,6 +20,9 @@ class CompactKV:
     prompt_length: m, the number of prompt tokens the full cache held.
     first_token: the token sampled by the prefill forward (decode starts by feeding it).
     kept_indices: optional per-layer ``[H_kv, k_l]`` original positions of the kept tokens (diagnostics).
+    k_scales, v_scales: set for an int8 cache (``quantize.quantize_compact``): per layer ``[H_kv, D]``
+    (per-channel K scales) and ``[H_kv, k_l]`` (per-token V scales), fp16; keys/values are then int8.
+    source_dtype: the dtype an int8 cache was quantized from (None when unknown or not quantized).
     """
 
     keys: list[torch.Tensor]
@@ -27,6 +30,9 @@ class CompactKV:
     prompt_length: int
     first_token: int = 0
     kept_indices: list[torch.Tensor] | None = field(default=None, repr=False)
+    k_scales: list[torch.Tensor] | None = field(default=None, repr=False)
+    v_scales: list[torch.Tensor] | None = field(default=None, repr=False)
+    source_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values) or not self.keys:
@@ -41,6 +47,25 @@ class CompactKV:
                 raise ValueError("all layers must share H_kv, D and dtype")
             if not 0 < k.shape[1] <= self.prompt_length:
                 raise ValueError(f"layer length {k.shape[1]} outside [1, m={self.prompt_length}]")
+        if (self.k_scales is None) != (self.v_scales is None) or (self.k_scales is None) == (
+            ref.dtype == torch.int8
+        ):
+            raise ValueError("an int8 cache needs k_scales and v_scales, a floating-point one neither")
+        if self.k_scales is not None:
+            for k, ks, vs in zip(self.keys, self.k_scales, self.v_scales, strict=True):
+                if ks.shape != (k.shape[0], k.shape[2]) or vs.shape != k.shape[:2]:
+                    raise ValueError(
+                        f"scales {tuple(ks.shape)}, {tuple(vs.shape)} do not fit {tuple(k.shape)}"
+                    )
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scales is not None
+
+    @property
+    def kv_dtype(self) -> str:
+        """``int8`` or ``fp16`` (not quantized: the model's dtype), as ``--kv-dtype`` names them."""
+        return "int8" if self.quantized else "fp16"
 
     @property
     def num_layers(self) -> int:
@@ -64,12 +89,17 @@ class CompactKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k in self.keys)
+        """Bytes of K and V, scales included."""
+        n = sum(k.numel() * k.element_size() * 2 for k in self.keys)
+        if self.quantized:
+            n += sum(s.numel() * s.element_size() for s in (*self.k_scales, *self.v_scales))
+        return n
 
     @property
     def full_nbytes(self) -> int:
-        """Bytes the uncompressed cache (m tokens in every layer) would take."""
-        per_token = self.num_kv_heads * self.head_dim * self.keys[0].element_size() * 2
+        """Bytes the uncompressed cache (m tokens in every layer, in the model's dtype) would take."""
+        itemsize = (self.source_dtype or self.dtype).itemsize if self.quantized else self.dtype.itemsize
+        per_token = self.num_kv_heads * self.head_dim * itemsize * 2
         return per_token * self.prompt_length * self.num_layers
 
     @property
@@ -79,8 +109,12 @@ class CompactKV:
 
     def non_finite_part(self) -> str:
         """Where the cache holds NaN or inf (``"layer L keys"``), or ``""``."""
-        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            for name, t in (("keys", k), ("values", v)):
+        parts = [[("keys", k), ("values", v)] for k, v in zip(self.keys, self.values, strict=True)]
+        if self.quantized:
+            for p, ks, vs in zip(parts, self.k_scales, self.v_scales, strict=True):
+                p += [("key scales", ks), ("value scales", vs)]
+        for layer, layer_parts in enumerate(parts):
+            for name, t in layer_parts:
                 if not all_finite(t):
                     return f"layer {layer} {name}"
         return ""

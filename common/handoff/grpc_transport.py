@@ -23,7 +23,7 @@ import torch
 from vlkv.common.errors import refusal_of
 from vlkv.common.handoff.assembler import KVAssembler
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, KVWireError, encode_stream
+from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, KVWireError, compact_layers, encode_stream
 from vlkv.v1 import kv_pb2, worker_pb2
 
 TRANSFER_KV_METHOD = "/vlkv.v1.DecodeWorker/TransferKV"
@@ -117,7 +117,7 @@ class GrpcKVSender:
         tensors already in host memory (no thread hop and GIL hand-off per chunk).
         """
         if isinstance(layers, CompactKV):
-            layers = zip(layers.keys, layers.values, strict=True)
+            layers = compact_layers(layers)  # (K, V), or (K, V, K scales, V scales) for int8
         chunks = encode_stream(header, layers, self.chunk_bytes, wire=True)
         if self.chunk_delay_s:
             return await self.send_chunks(_delayed(chunks, self.chunk_delay_s))

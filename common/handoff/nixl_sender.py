@@ -6,12 +6,13 @@
    agent whose metadata we hold; the decode worker validates it and admits the blocks exactly as for gRPC.
 2. <- ``regions``: per layer, runs of the blocks allocated for this request (plus the decode agent's
    metadata when ours is missing or stale: a restarted decode worker has a new agent name).
-3. each layer is packed into block order in a registered staging buffer (``block_layout.pack_layer``),
+3. each layer (int8 caches: its int8 K/V) is packed into block order in a registered staging buffer (``block_layout.pack_layer``),
    checksummed and checked finite while it is in cache (the decode worker's CRC-32C then proves it holds
    exactly these bytes, so it need not read them a second time), and written into its runs with one NIXL
    WRITE per layer, posted as soon as it is packed, from a ring of ``SLOTS`` layer-sized slots, with a
    notification (``notif_key``) so the decode worker checksums that layer while the next is written.
-4. -> ``done`` with the per-layer CRC-32C once every write completed; <- the ack once the decode worker's
+4. -> ``done`` with the per-layer CRC-32C once every write completed (an int8 cache's fp16 scales ride
+   in ``done``, covered by their layer's CRC); <- the ack once the decode worker's
    checksums of what landed match. Any failure before that is a ``KVWireError`` with the decode worker's
    status, or UNAVAILABLE (REFUSAL_HAND_OFF_FAILED) for a transport failure; writes still in flight are
    aborted, and none is posted after the write window the decode worker gave.
@@ -29,7 +30,7 @@ from vlkv.common.errors import Refusal, refusal_of
 from vlkv.common.handoff.block_layout import pack_layer, packed_bytes, tensor_crc32c
 from vlkv.common.handoff.compact_kv import CompactKV, all_finite
 from vlkv.common.handoff.nixl_agent import NixlAgent, NixlError, device_id, mem_type, notif_key
-from vlkv.common.handoff.wire import KVWireError
+from vlkv.common.handoff.wire import KVWireError, tensor_bytes
 from vlkv.v1 import kv_pb2, worker_pb2
 
 TRANSFER_KV_NIXL_METHOD = "/vlkv.v1.DecodeWorker/TransferKVNixl"
@@ -152,6 +153,14 @@ class NixlKVSender:
                         local.append((dst.data_ptr() + pos, n))
                         pos += n
                     off += size
+                if cache.quantized:  # the scales travel in ``done``; the layer's CRC continues over them
+                    for t in (cache.k_scales[layer], cache.v_scales[layer]):
+                        crc = tensor_crc32c(t.contiguous(), crc)
+                        if not all_finite(t):
+                            raise KVWireError(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the cache holds NaN or inf in layer {layer}",
+                            )
                 remote = [(a, n) for a, n in zip(runs.key_addrs, runs.lengths, strict=True)]
                 remote += [(a, n) for a, n in zip(runs.value_addrs, runs.lengths, strict=True)]
                 crcs.append(crc)
@@ -180,7 +189,11 @@ class NixlKVSender:
         if ended.done():
             ended.result()  # the call's status, if it ended with one
             raise KVWireError(grpc.StatusCode.INTERNAL, "the decode worker replied before the writes ended")
-        await call.write(worker_pb2.NixlTransferRequest(done=worker_pb2.NixlDone(layer_crc32c=crcs)))
+        done = worker_pb2.NixlDone(layer_crc32c=crcs)
+        if cache.quantized:
+            done.key_scales.extend(bytes(tensor_bytes(t)) for t in cache.k_scales)
+            done.value_scales.extend(bytes(tensor_bytes(t)) for t in cache.v_scales)
+        await call.write(worker_pb2.NixlTransferRequest(done=done))
         return _part(await ended, "ack")
 
 

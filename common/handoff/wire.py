@@ -25,6 +25,7 @@ import grpc
 import torch
 from vlkv.common.handoff.codec import crc32c, encode_data_wire
 from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.quantize import SCALE_DTYPE
 from vlkv.v1 import generate_pb2, kv_pb2
 
 FORMAT_VERSION = 1  # see the module docstring; bump on any incompatible change
@@ -83,8 +84,10 @@ def encode_header(
     prompt_tokens: int = 0,
     vision_tokens: int = 0,
     policy: str = "",
+    kv_dtype: str = "",
 ) -> kv_pb2.KVChunk:
-    """The header chunk; ``layer_lengths`` (k_l) must be known before the first layer is sent."""
+    """The header chunk; ``layer_lengths`` (k_l) must be known before the first layer is sent.
+    ``dtype``: the model's KV dtype; ``kv_dtype``: "int8" when the layers travel quantized (with scales)."""
     header = kv_pb2.KVHeader(
         format_version=FORMAT_VERSION,
         request_id=request_id,
@@ -100,17 +103,35 @@ def encode_header(
         prompt_tokens=prompt_tokens,
         vision_tokens=vision_tokens,
         policy=policy,
+        kv_dtype="" if kv_dtype == "fp16" else kv_dtype,
     )
     if sampling is not None:
         header.sampling.CopyFrom(sampling)
     return kv_pb2.KVChunk(header=header)
 
 
+_KINDS = (
+    kv_pb2.KV_TENSOR_KEY,
+    kv_pb2.KV_TENSOR_VALUE,
+    kv_pb2.KV_TENSOR_KEY_SCALE,
+    kv_pb2.KV_TENSOR_VALUE_SCALE,
+)
+
+
+def layer_shapes(h: kv_pb2.KVHeader, layer: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor of layer ``layer`` in wire order: K, V (and K, V scales for int8)."""
+    kv = (h.num_kv_heads, h.layer_lengths[layer], h.head_dim)
+    if not h.kv_dtype:
+        return [(kv, DTYPES[h.dtype])] * 2
+    return [(kv, torch.int8), (kv, torch.int8), (kv[::2], SCALE_DTYPE), (kv[:2], SCALE_DTYPE)]
+
+
 def encode_layer(
-    layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *scales
 ) -> Iterator[kv_pb2.KVChunk]:
-    """Data chunks of one layer: K's bytes then V's, each split into pieces of <= ``chunk_bytes``."""
-    for kind, off, piece in _pieces(k, v, chunk_bytes):
+    """Data chunks of one layer: K's bytes then V's (then an int8 layer's K and V ``scales``), each split
+    into pieces of <= ``chunk_bytes``."""
+    for kind, off, piece in _pieces((k, v, *scales), chunk_bytes):
         data = kv_pb2.KVData(
             layer=layer_idx, tensor=kind, offset=off, data=bytes(piece), crc32c=crc32c(piece)
         )
@@ -118,17 +139,17 @@ def encode_layer(
 
 
 def encode_layer_wire(
-    layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *scales
 ) -> Iterator[bytes]:
     """``encode_layer`` already serialized, copying each piece once (see ``codec``)."""
-    for kind, off, piece in _pieces(k, v, chunk_bytes):
+    for kind, off, piece in _pieces((k, v, *scales), chunk_bytes):
         yield encode_data_wire(layer_idx, kind, off, piece)
 
 
-def _pieces(k: torch.Tensor, v: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, int, memoryview]]:
+def _pieces(tensors: tuple[torch.Tensor, ...], chunk_bytes: int) -> Iterator[tuple[int, int, memoryview]]:
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    for kind, t in ((kv_pb2.KV_TENSOR_KEY, k), (kv_pb2.KV_TENSOR_VALUE, v)):
+    for kind, t in zip(_KINDS, tensors, strict=False):
         mv = tensor_bytes(t)
         for off in range(0, mv.nbytes, chunk_bytes):
             yield kind, off, mv[off : off + chunk_bytes]
@@ -151,27 +172,30 @@ def encode_stream(
     ``wire=True`` yields serialized messages instead (for a bytes-level transport such as gRPC with
     an identity serializer), which saves two copies per chunk.
 
-    Each layer is checked against the header (shape ``[H_kv, k_l, D]``, dtype) before it is sent, so
-    a sender bug surfaces as ValueError here rather than as a rejected stream on the decode side.
+    Each layer is checked against the header (shape ``[H_kv, k_l, D]``, dtype; an int8 layer is
+    ``(k, v, k_scale, v_scale)``) before it is sent, so a sender bug surfaces as ValueError here rather
+    than as a rejected stream on the decode side.
     """
     h = header.header
-    dtype = DTYPES[h.dtype]
     encode = encode_layer_wire if wire else encode_layer
     yield header.SerializeToString() if wire else header
     num_chunks = total = seen = 0
-    for layer_idx, (k, v) in enumerate(layers):
+    for layer_idx, tensors in enumerate(layers):
         if layer_idx >= h.num_layers:
             raise ValueError(f"more layers than the header's {h.num_layers}")
-        shape = (h.num_kv_heads, h.layer_lengths[layer_idx], h.head_dim)
-        for t in (k, v):
+        want = layer_shapes(h, layer_idx)
+        if len(tensors) != len(want):
+            raise ValueError(f"layer {layer_idx}: {len(tensors)} tensors, header needs {len(want)}")
+        for t, (shape, dtype) in zip(tensors, want, strict=True):
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(
                     f"layer {layer_idx}: {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}"
                 )
-        for chunk in encode(layer_idx, k, v, chunk_bytes):
+        k, v, *scales = tensors
+        for chunk in encode(layer_idx, k, v, chunk_bytes, *scales):
             num_chunks += 1
             yield chunk
-        total += 2 * k.numel() * k.element_size()
+        total += sum(t.numel() * t.element_size() for t in tensors)
         seen = layer_idx + 1
     if seen != h.num_layers:
         raise ValueError(f"got {seen} layers, the header announced {h.num_layers}")
@@ -194,7 +218,7 @@ def compact_header(
     return encode_header(
         request_id=request_id,
         fingerprint=fingerprint,
-        dtype=ckv.dtype,
+        dtype=ckv.source_dtype if ckv.quantized else ckv.dtype,
         num_kv_heads=ckv.num_kv_heads,
         head_dim=ckv.head_dim,
         layer_lengths=ckv.layer_lengths,
@@ -205,7 +229,15 @@ def compact_header(
         prompt_tokens=prompt_tokens,
         vision_tokens=vision_tokens,
         policy=policy,
+        kv_dtype=ckv.kv_dtype,
     )
+
+
+def compact_layers(ckv: CompactKV) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The tensors of each layer in wire order: (K, V), or (K, V, K scales, V scales) for int8."""
+    if ckv.quantized:
+        return zip(ckv.keys, ckv.values, ckv.k_scales, ckv.v_scales, strict=True)
+    return zip(ckv.keys, ckv.values, strict=True)
 
 
 def encode_compact_kv(
@@ -218,4 +250,4 @@ def encode_compact_kv(
     """The whole wire stream of ``ckv`` (a lazy generator: header, layer chunks, trailer); ``header_fields``
     go to ``compact_header``. ``wire=True`` yields the serialized messages (see ``encode_stream``)."""
     header = compact_header(ckv, **header_fields)
-    return encode_stream(header, zip(ckv.keys, ckv.values, strict=True), chunk_bytes, wire=wire)
+    return encode_stream(header, compact_layers(ckv), chunk_bytes, wire=wire)

@@ -3,7 +3,8 @@
 It serves ``TransferKV`` and ``TransferKVNixl`` through the decode worker's own ``TransferReceiver`` over a
 real ``KVCache`` pool and ``BlockManager``; every cache that arrives whole is freed again right after. With a
 ``dump_dir``, each arrived cache is first read back from the pool and written there as raw bytes
-(``<request id>.kv``: every layer's K then V, ``[H_kv, k_l, D]``), so a test can compare bit for bit.
+(``<request id>.kv``: every layer's K then V, ``[H_kv, k_l, D]``, then with ``kv_dtype="int8"`` its K and V
+scales), so a test can compare bit for bit.
 ``GetLoad`` reports the pool's free and total blocks, and caches received over gRPC (``running``) and NIXL
 (``waiting``).
 
@@ -46,7 +47,8 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, layout: KVLayout, pool_bytes: int, nixl: bool, dump_dir: str | None, **transfer
     ) -> None:
         layers, heads, dim, dtype = layout
-        self.cache = KVCache.from_bytes(pool_bytes, 16, heads, dim, dtype)
+        kv_dtype = transfer.get("kv_dtype", "fp16")
+        self.cache = KVCache.from_bytes(pool_bytes, 16, heads, dim, dtype, kv_dtype=kv_dtype)
         self.pool = BlockManager(self.cache.num_blocks, 16, AdmissionPolicy(False, 0))
         cfg = DecodeConfig(Limits(), PoolConfig(pool_bytes=pool_bytes), "cpu", TransferConfig(**transfer))
         spec = SimpleNamespace(fingerprint=FINGERPRINT, kv_layout=layout, vocab_size=0)

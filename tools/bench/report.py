@@ -66,6 +66,7 @@ class Plan:
     eval_budgets: tuple[float, ...] = (0.1,)
     eval_policies: tuple[str, ...] = ("vlcache", "snapkv", "pyramidkv", "h2o", "streamingllm")
     probe_short: bool = False
+    kv_transport: str = "auto"  # the vlkv systems' KV hand-off (`vlkv serve --kv-transport`)
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
@@ -227,7 +228,7 @@ class ServerProcess:
         self._log.close()
 
 
-def vlkv_command(model: Path, port: int, kv_mb: float) -> list[str]:
+def vlkv_command(model: Path, port: int, kv_mb: float, kv_transport: str = "auto") -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -243,6 +244,8 @@ def vlkv_command(model: Path, port: int, kv_mb: float) -> list[str]:
         "1024",
         "--threads",
         "1",
+        "--kv-transport",
+        kv_transport,
     ]
 
 
@@ -534,7 +537,9 @@ def _run_vlkv(res: Results, wl: Workloads, speed: Path, out: Path, plan: Plan) -
     t0 = time.perf_counter()
     port = free_port()
     with ServerProcess(
-        "vlkv serve", vlkv_command(speed, port, plan.kv_mb), out / "logs" / "vlkv_serve.log"
+        "vlkv serve",
+        vlkv_command(speed, port, plan.kv_mb, plan.kv_transport),
+        out / "logs" / "vlkv_serve.log",
     ) as srv:
         res.timings["vlkv_start_s"] = srv.start_s
         # warm-up: first requests load lazily initialised paths
@@ -642,6 +647,7 @@ def run_bench(args) -> int:
     plan = Plan.make(args.quick)
     if args.kv_mb:
         plan.kv_mb = args.kv_mb
+    plan.kv_transport = getattr(args, "kv_transport", "auto")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     command = "vlkv bench all" + (" --quick" if args.quick else "") + (f" --out {args.out}")
@@ -649,6 +655,8 @@ def run_bench(args) -> int:
         command += f" --kv-mb {args.kv_mb:g}"
     if args.model != str(DEFAULT_MODEL_DIR):
         command += f" --model {args.model}"
+    if plan.kv_transport != "auto":
+        command += f" --kv-transport {plan.kv_transport}"
     res = Results(plan=plan, machine=machine_info(), command=command)
     model = Path(args.model)
     if not (model / "config.json").is_file():

@@ -133,19 +133,51 @@ def compress(prep: Prepared, policy_name: str, budget: float, threshold: float =
     )
 
 
-def decode_batch(model, caches: list[CompactKV], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+def decode_batch(
+    model,
+    caches: list[CompactKV],
+    max_new_tokens: int,
+    eos: set[int],
+    *,
+    kv_dtype: str = "fp16",
+    decode_budget: float = 0.0,
+    decode_window: int = 32,
+    min_new_tokens: int = 0,
+    stats: dict | None = None,
+) -> list[list[int]]:
     """Greedy decode of all caches together as one batch through the in-process engine's paged pool and
-    decode core; per cache the prefill's token and up to ``max_new_tokens - 1`` more, ending at an EOS."""
+    decode core; per cache the prefill's token and up to ``max_new_tokens - 1`` more, ending at an EOS.
+
+    ``kv_dtype``/``decode_budget``/``decode_window``: the deployment options (``--kv-dtype``,
+    ``--decode-budget``, ``--decode-window``). ``min_new_tokens``: long answers: EOS does not end a sequence
+    before this many tokens (every sequence decodes ``max(max_new_tokens, min_new_tokens)`` steps, its
+    answer is cut at its first EOS from then on), so decode-phase re-compression acts while it answers.
+    ``stats``: filled with ``evicted_tokens`` (by re-compression)."""
     c0 = caches[0]
-    need = sum(blocks_needed(c.layer_lengths, max_new_tokens, BLOCK_SIZE) for c in caches)
+    steps = max(max_new_tokens, min_new_tokens)
+    need = sum(blocks_needed(c.layer_lengths, steps, BLOCK_SIZE) for c in caches)
     engine = InProcessEngine(
         model,
-        pool_bytes=need * block_bytes_of(BLOCK_SIZE, c0.num_kv_heads, c0.head_dim, c0.dtype),
+        pool_bytes=need * block_bytes_of(BLOCK_SIZE, c0.num_kv_heads, c0.head_dim, c0.dtype, kv_dtype),
         block_size=BLOCK_SIZE,
         max_batch=len(caches),
         admission="reserve",  # every cache and its new tokens fit at once: one batch, never preempted
+        kv_dtype=kv_dtype,
+        decode_budget=decode_budget,
+        decode_window=decode_window,
     )
-    return engine.decode_caches(caches, SamplingConfig(max_new_tokens=max_new_tokens), eos)
+    outs = engine.decode_caches(
+        caches, SamplingConfig(max_new_tokens=steps), set() if min_new_tokens else eos
+    )
+    if stats is not None:
+        stats["evicted_tokens"] = engine.core.evicted_tokens
+    if not min_new_tokens:
+        return outs
+    cut = []
+    for out in outs:
+        late = [i for i, t in enumerate(out) if t in eos and i >= min_new_tokens - 1]
+        cut.append(out[: late[0] + 1] if late else out)
+    return cut
 
 
 def cache_hit_rate(
@@ -186,6 +218,8 @@ class EvalResult:
     ratio: float
     layer_budget_share: list[float]  # mean k_l / m per layer
     answers: list[str] = field(repr=False, default_factory=list)
+    mean_generated: float = 0.0  # tokens per answer, the prefill's included
+    evicted_tokens: int = 0  # dropped by decode-phase re-compression, all sequences and layers
 
 
 def evaluate(
@@ -196,11 +230,13 @@ def evaluate(
     budget: float,
     max_new_tokens: int = 8,
     threshold: float = 0.01,
+    decode: dict | None = None,
     **params,
 ):
-    """Accuracy of ``policy`` at ``budget``; params go to ``get_policy`` (``allocator``, ``recent_ratio``...)."""
+    """Accuracy of ``policy`` at ``budget``; params go to ``get_policy`` (``allocator``, ``recent_ratio``...),
+    ``decode`` to ``decode_batch`` (``kv_dtype``, ``decode_budget``, ``min_new_tokens``...)."""
     caches = [compress(p, policy, budget, threshold, **params) for p in prepared]
-    return evaluate_caches(model, processor, prepared, caches, policy, budget, max_new_tokens)
+    return evaluate_caches(model, processor, prepared, caches, policy, budget, max_new_tokens, decode)
 
 
 def evaluate_caches(
@@ -211,13 +247,16 @@ def evaluate_caches(
     policy: str,
     budget: float,
     max_new_tokens: int = 8,
+    decode: dict | None = None,
 ) -> EvalResult:
     """Decode already compressed caches (one per prepared example) and score the answers."""
     eos = {processor.tokenizer.eos_token_id}
-    outs = decode_batch(model, caches, max_new_tokens, eos)
+    stats: dict = {}
+    outs = decode_batch(model, caches, max_new_tokens, eos, stats=stats, **(decode or {}))
     texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
     acc = sum(is_correct(t, p.example) for t, p in zip(texts, prepared, strict=True)) / len(prepared)
     layers = len(caches[0].keys)
     share = [sum(c.layer_lengths[li] / c.prompt_length for c in caches) / len(caches) for li in range(layers)]
     ratio = sum(c.compression_ratio for c in caches) / len(caches)
-    return EvalResult(policy, budget, acc, ratio, share, texts)
+    lengths = sum(len(o) for o in outs) / len(outs)
+    return EvalResult(policy, budget, acc, ratio, share, texts, lengths, stats.get("evicted_tokens", 0))

@@ -24,6 +24,14 @@ def run_eval(args) -> int:
     start = time.perf_counter()
     prepared = prepare(model, processor, examples, progress=not args.json)
     full = evaluate(model, processor, prepared, "full", 1.0, args.max_new_tokens)
+    kv_options = getattr(args, "kv_dtype", "fp16") != "fp16" or getattr(args, "decode_budget", 0) > 0
+    if getattr(args, "kv_table", False) or (args.table and kv_options):
+        from vlkv.tools.eval.kv_storage import run_kv_table
+
+        if not args.table:
+            return run_kv_table(args, model, processor, prepared, full, start)
+        _table(args, model, processor, prepared, full, start)
+        return run_kv_table(args, model, processor, prepared, full, start)
     if args.table:
         return _table(args, model, processor, prepared, full, start)
     if getattr(args, "ablation", False):
@@ -33,7 +41,15 @@ def run_eval(args) -> int:
     params = {"allocator": getattr(args, "allocator", None) or None}
     if getattr(args, "exact_budget", False):
         params["exact_budget"] = True
-    res = evaluate(model, processor, prepared, args.policy, args.budget, args.max_new_tokens, **params)
+    decode = dict(
+        kv_dtype=getattr(args, "kv_dtype", "fp16"),
+        decode_budget=getattr(args, "decode_budget", 0.0),
+        decode_window=getattr(args, "decode_window", 32),
+        min_new_tokens=getattr(args, "min_new_tokens", 0),
+    )
+    res = evaluate(
+        model, processor, prepared, args.policy, args.budget, args.max_new_tokens, decode=decode, **params
+    )
     report = {
         "policy": args.policy,
         "allocator": get_policy(args.policy, **params).allocator,

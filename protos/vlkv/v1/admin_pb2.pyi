@@ -1,3 +1,4 @@
+from vlkv.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,7 +12,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions")
+    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +23,9 @@ class WorkerStatus(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     address: str
     state: str
@@ -32,7 +36,10 @@ class WorkerStatus(_message.Message):
     in_flight: int
     swapped: int
     preemptions: int
-    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    image_cache: _worker_pb2.ImageCacheStats
+    kv_dtype: str
+    block_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[_worker_pb2.ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class ScalingEvent(_message.Message):
     __slots__ = ("unix_time", "kind", "action", "replicas", "reason")

@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16vlkv/v1/generate.proto\x12\x07vlkv.v1\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.vlkv.v1.ChatPromptH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParamsB\x08\n\x06prompt\"r\n\nChatPrompt\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.vlkv.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"B\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x14.vlkv.v1.ContentPart\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.vlkv.v1.ImagePlaceholderH\x00\x42\x06\n\x04part\"\x12\n\x10ImagePlaceholder\"\xd0\x01\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x92\x01\n\x11\x43ompressionParams\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x06\x62udget\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\tallocator\x18\x04 \x01(\t\x12\x14\n\x0c\x65xact_budget\x18\x05 \x01(\x08\x42\t\n\x07_budgetB\x0c\n\n_threshold\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05token\x18\x02 \x01(\x0b\x32\x13.vlkv.v1.TokenChunkH\x00\x12%\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x11.vlkv.v1.FinishedH\x00\x42\x06\n\x04kind\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x08\x46inished\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.vlkv.v1.FinishReason\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.vlkv.v1.Usage\"\xd0\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x04 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x05 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x06 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x07 \x03(\r\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12\x0e\n\x06policy\x18\t \x01(\t*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32O\n\nGeneration\x12\x41\n\x08Generate\x12\x18.vlkv.v1.GenerateRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16vlkv/v1/generate.proto\x12\x07vlkv.v1\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.vlkv.v1.ChatPromptH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12#\n\x05reuse\x18\x07 \x01(\x0b\x32\x14.vlkv.v1.ReuseParamsB\x08\n\x06prompt\"\\\n\x0bReuseParams\x12\r\n\x05reuse\x18\x01 \x01(\t\x12\x1c\n\x0frecompute_ratio\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04mode\x18\x03 \x01(\tB\x12\n\x10_recompute_ratio\"r\n\nChatPrompt\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.vlkv.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"B\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x14.vlkv.v1.ContentPart\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.vlkv.v1.ImagePlaceholderH\x00\x42\x06\n\x04part\"\x12\n\x10ImagePlaceholder\"\xd0\x01\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x92\x01\n\x11\x43ompressionParams\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x06\x62udget\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\tallocator\x18\x04 \x01(\t\x12\x14\n\x0c\x65xact_budget\x18\x05 \x01(\x08\x42\t\n\x07_budgetB\x0c\n\n_threshold\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05token\x18\x02 \x01(\x0b\x32\x13.vlkv.v1.TokenChunkH\x00\x12%\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x11.vlkv.v1.FinishedH\x00\x42\x06\n\x04kind\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x08\x46inished\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.vlkv.v1.FinishReason\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.vlkv.v1.Usage\"\xa3\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x04 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x05 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x06 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x07 \x03(\r\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x17\n\x0fimage_cache_hit\x18\n \x01(\x08\x12\x1f\n\x17recomputed_image_tokens\x18\x0b \x01(\r\x12\x17\n\x0frecompute_ratio\x18\x0c \x01(\x02*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32O\n\nGeneration\x12\x41\n\x08Generate\x12\x18.vlkv.v1.GenerateRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlkv.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1358
-  _globals['_FINISHREASON']._serialized_end=1483
+  _globals['_FINISHREASON']._serialized_start=1572
+  _globals['_FINISHREASON']._serialized_end=1697
   _globals['_GENERATEREQUEST']._serialized_start=36
-  _globals['_GENERATEREQUEST']._serialized_end=244
-  _globals['_CHATPROMPT']._serialized_start=246
-  _globals['_CHATPROMPT']._serialized_end=360
-  _globals['_CHATMESSAGE']._serialized_start=362
-  _globals['_CHATMESSAGE']._serialized_end=428
-  _globals['_CONTENTPART']._serialized_start=430
-  _globals['_CONTENTPART']._serialized_end=511
-  _globals['_IMAGEPLACEHOLDER']._serialized_start=513
-  _globals['_IMAGEPLACEHOLDER']._serialized_end=531
-  _globals['_SAMPLINGPARAMS']._serialized_start=534
-  _globals['_SAMPLINGPARAMS']._serialized_end=742
-  _globals['_COMPRESSIONPARAMS']._serialized_start=745
-  _globals['_COMPRESSIONPARAMS']._serialized_end=891
-  _globals['_GENERATERESPONSE']._serialized_start=893
-  _globals['_GENERATERESPONSE']._serialized_end=1016
-  _globals['_TOKENCHUNK']._serialized_start=1018
-  _globals['_TOKENCHUNK']._serialized_end=1063
-  _globals['_FINISHED']._serialized_start=1065
-  _globals['_FINISHED']._serialized_end=1145
-  _globals['_USAGE']._serialized_start=1148
-  _globals['_USAGE']._serialized_end=1356
-  _globals['_GENERATION']._serialized_start=1485
-  _globals['_GENERATION']._serialized_end=1564
+  _globals['_GENERATEREQUEST']._serialized_end=281
+  _globals['_REUSEPARAMS']._serialized_start=283
+  _globals['_REUSEPARAMS']._serialized_end=375
+  _globals['_CHATPROMPT']._serialized_start=377
+  _globals['_CHATPROMPT']._serialized_end=491
+  _globals['_CHATMESSAGE']._serialized_start=493
+  _globals['_CHATMESSAGE']._serialized_end=559
+  _globals['_CONTENTPART']._serialized_start=561
+  _globals['_CONTENTPART']._serialized_end=642
+  _globals['_IMAGEPLACEHOLDER']._serialized_start=644
+  _globals['_IMAGEPLACEHOLDER']._serialized_end=662
+  _globals['_SAMPLINGPARAMS']._serialized_start=665
+  _globals['_SAMPLINGPARAMS']._serialized_end=873
+  _globals['_COMPRESSIONPARAMS']._serialized_start=876
+  _globals['_COMPRESSIONPARAMS']._serialized_end=1022
+  _globals['_GENERATERESPONSE']._serialized_start=1024
+  _globals['_GENERATERESPONSE']._serialized_end=1147
+  _globals['_TOKENCHUNK']._serialized_start=1149
+  _globals['_TOKENCHUNK']._serialized_end=1194
+  _globals['_FINISHED']._serialized_start=1196
+  _globals['_FINISHED']._serialized_end=1276
+  _globals['_USAGE']._serialized_start=1279
+  _globals['_USAGE']._serialized_end=1570
+  _globals['_GENERATION']._serialized_start=1699
+  _globals['_GENERATION']._serialized_end=1778
 # @@protoc_insertion_point(module_scope)

@@ -19,20 +19,32 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "images", "text", "chat", "sampling", "compression")
+    __slots__ = ("request_id", "images", "text", "chat", "sampling", "compression", "reuse")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
     text: str
     chat: ChatPrompt
     sampling: SamplingParams
     compression: CompressionParams
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[CompressionParams, _Mapping]] = ...) -> None: ...
+    reuse: ReuseParams
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[CompressionParams, _Mapping]] = ..., reuse: _Optional[_Union[ReuseParams, _Mapping]] = ...) -> None: ...
+
+class ReuseParams(_message.Message):
+    __slots__ = ("reuse", "recompute_ratio", "mode")
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    reuse: str
+    recompute_ratio: float
+    mode: str
+    def __init__(self, reuse: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
     __slots__ = ("messages", "add_generation_prompt")
@@ -119,7 +131,7 @@ class Finished(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy")
+    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +141,9 @@ class Usage(_message.Message):
     LAYER_BUDGETS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     generated_tokens: int
@@ -138,4 +153,7 @@ class Usage(_message.Message):
     layer_budgets: _containers.RepeatedScalarFieldContainer[int]
     ttft_ms: float
     policy: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
+    image_cache_hit: bool
+    recomputed_image_tokens: int
+    recompute_ratio: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ...) -> None: ...

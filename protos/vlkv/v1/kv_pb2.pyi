@@ -12,8 +12,12 @@ class KVTensor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_TENSOR_KEY: _ClassVar[KVTensor]
     KV_TENSOR_VALUE: _ClassVar[KVTensor]
+    KV_TENSOR_KEY_SCALE: _ClassVar[KVTensor]
+    KV_TENSOR_VALUE_SCALE: _ClassVar[KVTensor]
 KV_TENSOR_KEY: KVTensor
 KV_TENSOR_VALUE: KVTensor
+KV_TENSOR_KEY_SCALE: KVTensor
+KV_TENSOR_VALUE_SCALE: KVTensor
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
@@ -26,7 +30,7 @@ class KVChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "layer_lengths", "prompt_length", "first_token_id", "sampling", "eos_token_ids", "prompt_tokens", "vision_tokens", "policy")
+    __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "layer_lengths", "prompt_length", "first_token_id", "sampling", "eos_token_ids", "prompt_tokens", "vision_tokens", "policy", "kv_dtype")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +46,7 @@ class KVHeader(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     request_id: str
     model_fingerprint: str
@@ -57,7 +62,8 @@ class KVHeader(_message.Message):
     prompt_tokens: int
     vision_tokens: int
     policy: str
-    def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_lengths: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_lengths: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("layer", "tensor", "offset", "data", "crc32c")

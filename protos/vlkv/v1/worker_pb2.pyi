@@ -29,7 +29,7 @@ REFUSAL_SUPERSEDED: Refusal
 REFUSAL_TRANSPORT_UNAVAILABLE: Refusal
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "sampling", "compression", "decode_address", "input_ids", "vision_spans", "model_inputs")
+    __slots__ = ("request_id", "sampling", "compression", "decode_address", "input_ids", "vision_spans", "model_inputs", "image_hashes", "tenant", "reuse")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,9 @@ class PrefillRequest(_message.Message):
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     VISION_SPANS_FIELD_NUMBER: _ClassVar[int]
     MODEL_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: _generate_pb2.SamplingParams
     compression: _generate_pb2.CompressionParams
@@ -44,7 +47,10 @@ class PrefillRequest(_message.Message):
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     vision_spans: _containers.RepeatedScalarFieldContainer[int]
     model_inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., vision_spans: _Optional[_Iterable[int]] = ..., model_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    image_hashes: _containers.RepeatedScalarFieldContainer[str]
+    tenant: str
+    reuse: _generate_pb2.ReuseParams
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., vision_spans: _Optional[_Iterable[int]] = ..., model_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., image_hashes: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., reuse: _Optional[_Union[_generate_pb2.ReuseParams, _Mapping]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -59,7 +65,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy")
+    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POST_VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +77,9 @@ class PrefillReply(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     post_vision_tokens: int
@@ -82,7 +91,10 @@ class PrefillReply(_message.Message):
     prefill_ms: float
     transfer_ms: float
     policy: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
+    image_cache_hit: bool
+    recomputed_image_tokens: int
+    recompute_ratio: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "wait_ms")
@@ -105,7 +117,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions")
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +130,9 @@ class WorkerLoad(_message.Message):
     RESERVES_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     waiting: int
@@ -130,7 +145,26 @@ class WorkerLoad(_message.Message):
     reserves_new_tokens: bool
     swapped: int
     preemptions: int
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    image_cache: ImageCacheStats
+    kv_dtype: str
+    block_bytes: int
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class ImageCacheStats(_message.Message):
+    __slots__ = ("entries", "bytes_held", "capacity_bytes", "hits", "misses", "evictions")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes_held: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    def __init__(self, entries: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class NixlTransferRequest(_message.Message):
     __slots__ = ("open", "done")
@@ -149,10 +183,14 @@ class NixlOpen(_message.Message):
     def __init__(self, header: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., known_agent: _Optional[str] = ...) -> None: ...
 
 class NixlDone(_message.Message):
-    __slots__ = ("layer_crc32c",)
+    __slots__ = ("layer_crc32c", "key_scales", "value_scales")
     LAYER_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    KEY_SCALES_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SCALES_FIELD_NUMBER: _ClassVar[int]
     layer_crc32c: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+    key_scales: _containers.RepeatedScalarFieldContainer[bytes]
+    value_scales: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layer_crc32c: _Optional[_Iterable[int]] = ..., key_scales: _Optional[_Iterable[bytes]] = ..., value_scales: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class NixlTransferReply(_message.Message):
     __slots__ = ("regions", "ack")

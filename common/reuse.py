@@ -1,0 +1,59 @@
+"""Per-request image-KV reuse settings (public API ``ReuseParams``), validated once at the gateway.
+
+``enabled`` (``reuse: auto``, the default) lets the prefill worker reuse a cached image's K/V; ``off``
+neither reads nor fills the cache. ``mode`` picks how much of a reused image is recomputed:
+
+- ``vlcache`` (default): per-layer ratios, non-increasing with depth in steps of 0.1, chosen greedily under
+  the total budget ``ratio`` (the mean over layers) from the calibrated per-layer sensitivities;
+- ``mpic``: the same share ``ratio`` of every image's earliest tokens recomputed in every layer;
+- ``none``: nothing of the image recomputed (only the text).
+
+An exact prefix hit (the same ids and images before and including the image) recomputes nothing of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+REUSE_MODES = ("vlcache", "mpic", "none")
+DEFAULT_RECOMPUTE_RATIO = 0.05
+ANONYMOUS = "anonymous"  # the tenant of callers without an API token
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseSettings:
+    enabled: bool = True
+    mode: str = "vlcache"
+    ratio: float = DEFAULT_RECOMPUTE_RATIO  # share of the image's token-layers recomputed, in [0, 1]
+
+    def __post_init__(self) -> None:
+        if self.mode not in REUSE_MODES:
+            raise ValueError(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {self.mode!r}")
+        if not (math.isfinite(self.ratio) and 0.0 <= self.ratio <= 1.0):
+            raise ValueError(f"reuse recompute ratio must be in [0, 1], got {self.ratio}")
+
+
+def image_hashes(pixel_values: torch.Tensor | None) -> list[str]:
+    """One digest per image of the processor's pixel values (``[images, ...]``): what the image cache is keyed
+    on, computed once per request at the gateway (the prefill worker takes it from the request)."""
+    if pixel_values is None:
+        return []
+    out = []
+    for img in pixel_values:
+        t = img.detach().cpu().contiguous()
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{t.dtype}:{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def tenant_of(token: str) -> str:
+    """The image cache's tenant for a caller's API token: a digest of it, ``anonymous`` without one."""
+    if not token:
+        return ANONYMOUS
+    return "t-" + hashlib.blake2b(token.encode(), digest_size=12).hexdigest()

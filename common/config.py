@@ -133,6 +133,11 @@ class TransferConfig:
     # "grpc": K/V in gRPC messages; "nixl": one-sided NIXL writes into the decode pool (unencrypted: trusted
     # fabrics only); "auto": NIXL where both workers have it and TLS is off, else gRPC.
     kv_transport: str = "auto"
+    # Under "auto", caches smaller than this go over gRPC even where NIXL is offered: NIXL's extra round trip
+    # (regions, then the completion notice) costs more than its faster copy saves on small caches (`vlkv
+    # bench all --quick`, 2K prompt: 0.40 MiB took 4.5 ms over gRPC vs 14.9 ms over NIXL, 4 MiB 11.8 vs
+    # 17.7 ms; `bench kv_wire`, 27 MB: 49 ms vs 40 ms). 0: NIXL for every size.
+    nixl_min_bytes: int = 8 << 20
     # How compact caches travel and are stored: "fp16" (the model's dtype) or "int8" (KIVI scales; the prefill
     # worker quantizes, the decode pool stores int8). Both workers of a deployment must agree.
     kv_dtype: str = "fp16"
@@ -157,6 +162,7 @@ class TransferConfig:
         _check(self.deadline_s > 0, "deadline_s must be > 0")
         _check(0 <= self.fault_chunk_delay_ms <= 60_000, "fault_chunk_delay_ms must be in [0, 60000]")
         _check(self.kv_transport in KV_TRANSPORTS, f"kv_transport must be one of {KV_TRANSPORTS}")
+        _check(self.nixl_min_bytes >= 0, "nixl_min_bytes must be >= 0")
         _check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("idle_s", "write_window_s", "unclaimed_lease_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")

@@ -8,7 +8,8 @@ connection attempt. At most ``max_peers`` channels stay open (least recently use
 
 Transport per peer: ``nixl`` first when this worker has a NIXL agent, unless the peer said it does not offer
 NIXL (``REFUSAL_TRANSPORT_UNAVAILABLE`` or an older worker's UNIMPLEMENTED), after which ``auto`` sends that
-peer's caches over gRPC; ``nixl`` alone keeps the refusal as the request's status.
+peer's caches over gRPC; ``nixl`` alone keeps the refusal as the request's status. ``auto`` also sends caches
+smaller than ``transfer.nixl_min_bytes`` over gRPC (NIXL's extra round trip costs more than it saves there).
 """
 
 from __future__ import annotations
@@ -71,13 +72,15 @@ class DecodePeers:
         self._channels.move_to_end(address)
         return ch
 
-    def senders(self, address: str) -> list[KVSender]:
-        """The senders to try for ``address``, in order (a NIXL one first where it may be used)."""
+    def senders(self, address: str, nbytes: int | None = None) -> list[KVSender]:
+        """The senders to try for ``address``, in order (a NIXL one first where it may be used). Under
+        ``auto`` a cache of fewer than ``transfer.nixl_min_bytes`` bytes goes over gRPC."""
         t = self.cfg.transfer
         ch = self.channel(address)
         delay = t.fault_chunk_delay_ms / 1000
         grpc_sender = GrpcKVSender(ch, chunk_bytes=t.chunk_bytes, timeout_s=t.deadline_s, chunk_delay_s=delay)
-        if self.nixl is None or address in self._grpc_only:
+        small = t.kv_transport == "auto" and nbytes is not None and nbytes < t.nixl_min_bytes
+        if self.nixl is None or address in self._grpc_only or small:
             return [grpc_sender]
         nixl = NixlKVSender(ch, address, self.nixl, self.staging, timeout_s=t.deadline_s, layer_delay_s=delay)
         return [nixl] if t.kv_transport == "nixl" else [nixl, grpc_sender]
@@ -85,7 +88,7 @@ class DecodePeers:
     async def send(self, address: str, header, cache):
         """Hand ``cache`` to ``address`` through its senders in order (NIXL, then gRPC where ``auto`` falls
         back); the last refusal or failure is raised as KVWireError."""
-        senders = self.senders(address)
+        senders = self.senders(address, cache.nbytes)
         for i, sender in enumerate(senders):
             try:
                 return await sender.send(header, cache)

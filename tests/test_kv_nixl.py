@@ -260,7 +260,8 @@ def test_receiver_without_nixl_refuses_and_auto_falls_back_to_grpc(tmp_path):
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert err.value.reason == Refusal.REFUSAL_TRANSPORT_UNAVAILABLE
         for transport, ok in (("nixl", False), ("auto", True)):
-            cfg = PrefillConfig(Limits(), TransferConfig(kv_transport=transport), SecurityConfig(), 0.0)
+            transfer = TransferConfig(kv_transport=transport, nixl_min_bytes=0)  # this small cache tries NIXL
+            cfg = PrefillConfig(Limits(), transfer, SecurityConfig(), 0.0)
 
             async def go(cfg=cfg, rid=f"via-{transport}"):
                 peers = DecodePeers(cfg, NixlAgent("prefill"))
@@ -278,3 +279,24 @@ def test_receiver_without_nixl_refuses_and_auto_falls_back_to_grpc(tmp_path):
         assert (tmp_path / "via-auto.kv").read_bytes() == expected_bytes(ckv)
     finally:
         r.close()
+
+
+def test_auto_sends_caches_below_nixl_min_bytes_over_grpc():
+    ckv = make_cache(torch.float32)
+    agent = NixlAgent("prefill-size")
+
+    async def kinds(transport: str, min_bytes: int) -> list[str]:
+        cfg = PrefillConfig(
+            Limits(), TransferConfig(kv_transport=transport, nixl_min_bytes=min_bytes), SecurityConfig(), 0.0
+        )
+        peers = DecodePeers(cfg, agent)
+        try:
+            return [type(s).__name__ for s in peers.senders("127.0.0.1:1", ckv.nbytes)]
+        finally:
+            await peers.close()
+
+    assert asyncio.run(kinds("auto", ckv.nbytes + 1)) == ["GrpcKVSender"]
+    assert asyncio.run(kinds("auto", ckv.nbytes)) == ["NixlKVSender", "GrpcKVSender"]
+    assert asyncio.run(kinds("nixl", ckv.nbytes + 1)) == ["NixlKVSender"]  # an explicit choice is kept
+    with pytest.raises(ValueError):
+        TransferConfig(nixl_min_bytes=-1)

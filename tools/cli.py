@@ -46,7 +46,11 @@ def _server_config(args) -> ServerConfig:
             decode_window=args.decode_window,
         ),
         queue=QueueConfig(max_waiting=args.max_waiting),
-        transfer=TransferConfig(kv_transport=args.kv_transport, kv_dtype=args.kv_dtype),
+        transfer=TransferConfig(
+            kv_transport=args.kv_transport,
+            kv_dtype=args.kv_dtype,
+            nixl_min_bytes=int(args.nixl_min_mb * (1 << 20)),
+        ),
         host=args.host,
         image_cache_mb=args.image_cache_mb,
     )
@@ -97,6 +101,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="how caches go from prefill to decode: nixl (one-sided writes into the decode pool, "
         "unencrypted: trusted fabrics only), grpc, or auto (nixl where both workers have it and TLS is off)",
+    )
+    p.add_argument(
+        "--nixl-min-mb",
+        type=float,
+        default=8.0,
+        help="auto: caches smaller than this go over gRPC (NIXL's extra round trip costs more there; 0: none)",
     )
     p.add_argument(
         "--kv-dtype",

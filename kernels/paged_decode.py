@@ -51,6 +51,29 @@ def _load_tokens(base, tok_off, offs_d, tok_ok, D, stride_d):
 
 
 @triton.jit
+def _load_q(
+    q_ptr, ks_ptr, table, seq, kv_head, head, offs_d, q_mask, D,
+    stride_qs, stride_qh, stride_qd, stride_ksb, stride_ksh, stride_ksd,
+    UPCAST: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """One KV head's G query rows ``[BLOCK_G, BLOCK_D]``; for an int8 pool already multiplied by the layer's
+    per-channel K scales (q . (k * ks) = (q * ks) . k; every block of the sequence's layer holds the same ks,
+    so the first block's are read)."""
+    q = tl.load(
+        q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_mask
+    )
+    if UPCAST:  # the CPU interpreter cannot tl.dot bf16 (triton-lang/triton#11584)
+        q = q.to(tl.float32)
+    if QUANT:
+        first = tl.load(table).to(tl.int64)
+        ks = tl.load(
+            ks_ptr + first * stride_ksb + kv_head * stride_ksh + offs_d * stride_ksd, mask=offs_d < D
+        )
+        q = q.to(tl.float32) * ks.to(tl.float32)[None, :]
+    return q
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
     ks_ptr, vs_ptr,
@@ -74,20 +97,13 @@ def _split_kernel(
     head = kv_head * GROUP + offs_g
     g_ok = offs_g < GROUP
     q_mask = g_ok[:, None] & (offs_d[None, :] < D)
-    q = tl.load(
-        q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_mask
-    )
-    if UPCAST:  # the CPU interpreter cannot tl.dot bf16 (triton-lang/triton#11584)
-        q = q.to(tl.float32)
+    table = tables_ptr + seq * stride_ts
+    q = _load_q(
+        q_ptr, ks_ptr, table, seq, kv_head, head, offs_d, q_mask, D,
+        stride_qs, stride_qh, stride_qd, stride_ksb, stride_ksh, stride_ksd, UPCAST, QUANT,
+    )  # fmt: skip
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
-    table = tables_ptr + seq * stride_ts
-    if QUANT:  # q . (k * ks) = (q * ks) . k; every block of the sequence's layer holds the same ks
-        first = tl.load(table).to(tl.int64)
-        ks = tl.load(
-            ks_ptr + first * stride_ksb + kv_head * stride_ksh + offs_d * stride_ksd, mask=offs_d < D
-        )
-        q = q.to(tl.float32) * ks.to(tl.float32)[None, :]
 
     start = split * split_tokens
     end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
@@ -190,18 +206,11 @@ def _mass_kernel(
     head = kv_head * GROUP + offs_g
     g_ok = offs_g < GROUP
     q_mask = g_ok[:, None] & (offs_d[None, :] < D)
-    q = tl.load(
-        q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_mask
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
     table = tables_ptr + seq * stride_ts
-    if QUANT:
-        first = tl.load(table).to(tl.int64)
-        ks = tl.load(
-            ks_ptr + first * stride_ksb + kv_head * stride_ksh + offs_d * stride_ksd, mask=offs_d < D
-        )
-        q = q.to(tl.float32) * ks.to(tl.float32)[None, :]
+    q = _load_q(
+        q_ptr, ks_ptr, table, seq, kv_head, head, offs_d, q_mask, D,
+        stride_qs, stride_qh, stride_qd, stride_ksb, stride_ksh, stride_ksd, UPCAST, QUANT,
+    )  # fmt: skip
     m_g = tl.load(m_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=0.0)
     inv_l = 1.0 / tl.load(l_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=1.0)
     k_base = k_ptr + kv_head * stride_kh

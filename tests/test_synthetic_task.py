@@ -5,10 +5,14 @@ from pathlib import Path
 import pytest
 import torch
 from vlkv.tools.task.synthetic_task import (
-    CATEGORY_WORDS,
+    COLOURS,
     IMAGE_SIZE,
     KINDS,
+    PATCH_SIZE,
+    SPAN,
+    TOKENS_PER_IMAGE,
     VOCAB,
+    deciding_words,
     generate_answer,
     is_correct,
     make_example,
@@ -42,31 +46,56 @@ def test_splits_are_disjoint():
 
 def test_examples_are_well_formed():
     exs = make_examples(500, seed=3)
-    assert {x.kind for x in exs} == set(KINDS)
+    assert {x.kind for x in exs} == set(KINDS) and len(KINDS) >= 4
+    assert (IMAGE_SIZE // PATCH_SIZE) ** 2 == TOKENS_PER_IMAGE == 576
     words = set(VOCAB)
     for ex in exs:
         assert all(im.size == (IMAGE_SIZE, IMAGE_SIZE) and im.mode == "RGB" for im in ex.images)
         assert len(ex.images) == (2 if ex.kind.endswith("_2img") else 1)
         assert set(ex.question.split()) <= words and set(ex.answer.split()) <= words
-        # the deciding word is never the first answer token
+        # no deciding word is among the first two answer tokens; the last one is the target
         answer = ex.answer.split()
-        assert answer[2] == ex.target and ex.target not in answer[:2]
-        assert ex.target in CATEGORY_WORDS[ex.category]
+        assert not set(answer[:2]) & set(deciding_words(ex.answer))
+        assert deciding_words(ex.answer)[-1] == ex.target
         # question after the images; the question is well posed for the scene
         content = ex.messages[0]["content"]
         assert [p["type"] for p in content] == ["image"] * len(ex.images) + ["text"]
         qas = {(q.question, q.answer) for q in scene_questions(ex.objects)}
         assert (ex.question, ex.answer) in qas
+        # the objects the answer reads are in the scene, and their colour shows in their patches
+        for im, obj in ex.focus:
+            assert obj in ex.objects[im]
+            r, c = obj.cell
+            box = ex.images[im].crop(
+                (c * PATCH_SIZE, r * PATCH_SIZE, (c + SPAN) * PATCH_SIZE, (r + SPAN) * PATCH_SIZE)
+            )
+            near = {k: 0 for k in COLOURS}
+            for count, rgb in box.getcolors(1 << 16):
+                for k, ref in COLOURS.items():
+                    near[k] += count * (sum((a - b) ** 2 for a, b in zip(rgb, ref, strict=True)) < 40**2)
+            assert near[obj.colour] > 100 and all(v == 0 for k, v in near.items() if k != obj.colour)
+
+
+def test_compare_colours_is_balanced_and_reads_two_regions():
+    exs = [make_example(i, seed=5, kind="compare_colours") for i in range(200)]
+    same = sum(ex.target == "same" for ex in exs)
+    assert 70 <= same <= 130
+    for ex in exs:
+        a, b = (o for _, o in ex.focus)
+        assert a.cell != b.cell and a.shape != b.shape
+        assert ex.target == ("same" if a.colour == b.colour else "different")
+        assert deciding_words(ex.answer) == [a.colour, b.colour, ex.target]
 
 
 def test_is_correct():
     exs = make_examples(200, seed=1)
     ex = next(x for x in exs if x.kind == "colour_of_shape")
-    other = next(c for c in sorted(CATEGORY_WORDS["colour"]) if c != ex.target)
-    shape = ex.objects[0][0].shape
+    other = next(c for c in sorted(COLOURS) if c != ex.target)
+    shape = ex.answer.split()[1]
     assert ex.answer.split()[2] == ex.target
     assert is_correct(ex.answer, ex)
     assert is_correct(f"{ex.answer} </s>", ex)
+    assert is_correct(f"{ex.answer} </s> red blue", ex)
     assert is_correct(f"the {shape} {ex.target}", ex)
     assert not is_correct(f"the {shape} {other} .", ex)
     assert not is_correct(f"the {shape} {other} {ex.target} .", ex)
@@ -74,11 +103,16 @@ def test_is_correct():
     assert not is_correct("", ex)
     two = next(x for x in exs if x.kind == "colour_of_shape_2img")
     assert is_correct(two.answer, two)
-    wrong = next(c for c in sorted(CATEGORY_WORDS["colour"]) if c != two.target)
+    wrong = next(c for c in sorted(COLOURS) if c != two.target)
     assert not is_correct(two.answer.replace(two.target, wrong), two)
     cnt = next(x for x in exs if x.kind == "count")
     assert is_correct(cnt.answer, cnt)
     assert not is_correct("there are " + ("two" if cnt.target != "two" else "three") + " .", cnt)
+    cmp_ = next(x for x in exs if x.kind == "compare_colours")
+    assert is_correct(cmp_.answer, cmp_)
+    flipped = "different" if cmp_.target == "same" else "same"
+    assert not is_correct(cmp_.answer.replace(cmp_.target, flipped), cmp_)
+    assert not is_correct(cmp_.answer.rsplit(",", 1)[0], cmp_)  # verdict missing
 
 
 _HAVE_MODEL = (DEFAULT_MODEL / "model.safetensors").exists()
@@ -94,6 +128,7 @@ def test_default_model_answers_heldout_examples():
     cfg = model.config
     assert cfg.text_config.num_key_value_heads < cfg.text_config.num_attention_heads  # GQA
     assert cfg.text_config.num_hidden_layers >= 2
+    assert cfg.image_seq_length == 576 and cfg.projector_hidden_act == "gelu"
     assert cfg.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>")
     assert sum(f.stat().st_size for f in DEFAULT_MODEL.iterdir()) <= 20 * 2**20
     exs = make_examples(24, seed=0, split="heldout")

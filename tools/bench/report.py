@@ -56,7 +56,7 @@ class Plan:
     quick: bool
     kv_mb: float = 24.0
     long_tokens: int = 2048
-    images_long: int = 8
+    images_long: int = 3  # 3 x 576 vision tokens + text filler = the 2K-token prompts
     max_new_tokens: int = 100
     budget: float = 0.1
     table2_batches: tuple[int, ...] = (1, 4, 16)
@@ -125,21 +125,23 @@ def _random_default_arch(path: Path) -> None:
     """A random-weight model with the default model's architecture (used only if it is not there)."""
     import torch
     from transformers import LlavaForConditionalGeneration
-    from vlkv.tools.task.synthetic_task import IMAGE_SIZE, PATCH_SIZE, VOCAB
+    from vlkv.tools.task.synthetic_task import IMAGE_SIZE, PATCH_SIZE, SYSTEM_PROMPT, VOCAB
     from vlkv.tools.task.tiny_llava import build_tiny
+    from vlkv.tools.task.train_default_model import DEFAULTS as D
 
     _, proc, cfg = build_tiny(
         VOCAB,
         kind="llava",
         image_size=IMAGE_SIZE,
         patch_size=PATCH_SIZE,
-        num_heads=4,
-        num_kv_heads=2,
-        hidden=128,
-        layers=4,
-        vision_hidden=64,
-        vision_layers=2,
-        max_position_embeddings=512,
+        num_heads=D["heads"],
+        num_kv_heads=D["kv_heads"],
+        hidden=D["hidden"],
+        layers=D["layers"],
+        vision_hidden=D["vision_hidden"],
+        vision_layers=D["vision_layers"],
+        max_position_embeddings=2048,
+        system_prompt=SYSTEM_PROMPT,
     )
     torch.manual_seed(0)
     LlavaForConditionalGeneration(cfg).eval().save_pretrained(path)

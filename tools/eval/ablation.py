@@ -22,7 +22,7 @@ from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
 from vlkv.tools.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches
 from vlkv.tools.progress import progress as track
-from vlkv.tools.task.synthetic_task import GRID, SHAPES, TOKENS_PER_IMAGE, is_correct, prompt_text
+from vlkv.tools.task.synthetic_task import GRID, SHAPES, SPAN, TOKENS_PER_IMAGE, is_correct, prompt_text
 
 BUDGETS = (0.05, 0.10, 0.20)
 # (label, policy, params): scorer and allocator swapped one at a time around vlcache
@@ -69,15 +69,11 @@ class Positions:
         words = processor.tokenizer.convert_ids_to_tokens(ids)
         keys = set(SHAPES) | {"shapes"}
         self.key_word = [i for i in range(prep.m - prep.tau, prep.m) if words[i] in keys]
-        key_shape = ex.answer.split()[1]
-        self.target: list[int] = []  # the asked shape's 4 patches; every shape's for counting
-        for im, objs in enumerate(ex.objects):
-            base = self.vision[im * TOKENS_PER_IMAGE]
-            for o in objs:
-                if ex.category == "number" or (o.shape == key_shape and o.colour == ex.target):
-                    r, c = o.cell
-                    top = base + r * GRID + c
-                    self.target += [top, top + 1, top + GRID, top + GRID + 1]
+        self.target: list[int] = []  # the patches of the shapes the answer reads (every shape for counting)
+        for im, o in ex.focus:
+            r, c = o.cell
+            top = self.vision[im * TOKENS_PER_IMAGE] + r * GRID + c
+            self.target += [top + dr * GRID + dc for dr in range(SPAN) for dc in range(SPAN)]
         self.text = [i for i in range(prep.m) if i not in set(self.vision)]
 
 

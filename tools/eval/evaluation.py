@@ -30,7 +30,7 @@ from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.kernels.attention_stats import attention_stats
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.tools.progress import progress as track
-from vlkv.tools.task.synthetic_task import Example, is_correct, prompt_text
+from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, Example, is_correct, prompt_text
 
 BLOCK_SIZE = 16
 
@@ -228,7 +228,7 @@ def evaluate(
     prepared: list[Prepared],
     policy: str,
     budget: float,
-    max_new_tokens: int = 8,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     threshold: float = 0.01,
     decode: dict | None = None,
     **params,
@@ -246,7 +246,7 @@ def evaluate_caches(
     caches: list[CompactKV],
     policy: str,
     budget: float,
-    max_new_tokens: int = 8,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     decode: dict | None = None,
 ) -> EvalResult:
     """Decode already compressed caches (one per prepared example) and score the answers."""

@@ -1,36 +1,39 @@
-"""Synthetic visual question task for tiny LLaVA models (content-keyed questions, multi-token answers).
+"""Synthetic visual question task at LLaVA-1.5's geometry (content-keyed questions, multi-token answers).
 
-Each image is ``IMAGE_SIZE`` x ``IMAGE_SIZE`` pixels on a dark background and is seen by the vision tower as a
-``GRID`` x ``GRID`` grid of ``PATCH_SIZE`` patches (36 vision tokens). It holds 1-4 shapes (square, circle,
-triangle, cross) in 5 colours; each shape covers ``SPAN`` x ``SPAN`` patches (4 vision tokens) at a random
-patch-aligned place and has a light outline, so its shape is visible independently of its colour. Within
-one image the shapes are pairwise distinct and so are the colours.
+Each image is ``IMAGE_SIZE`` x ``IMAGE_SIZE`` pixels (336, as LLaVA-1.5) on a dark background and is seen by
+the vision tower as a ``GRID`` x ``GRID`` grid of ``PATCH_SIZE`` patches: **576 vision tokens per image**. It
+holds 1-4 shapes (square, circle, triangle, cross) in 5 colours; each shape covers ``SPAN`` x ``SPAN``
+patches (36 of the 576 vision tokens) at a random patch-aligned place. A shape is drawn as its silhouette
+with a light outline and filled with its own texture (stripes one way or the other, a checker, plain), so
+every patch of a shape shows which shape it belongs to as well as its colour. Within one image shapes are
+pairwise distinct; colours too, except that ``compare_colours`` scenes may repeat one on purpose.
 
-Questions are keyed to *content* (a shape), never to grid position, and always come after the image(s).
-Answers are short phrases whose deciding word is the THIRD generated token, never the first: the first token
-comes from the prefill forward with the full cache, so only later tokens show what KV compression kept.
+Questions are keyed to *content* (a shape), never to grid position, and come after the image(s). The answer
+is a short phrase whose deciding words are never the first generated token (that one comes from the prefill
+forward over the full cache, so only later tokens show what KV compression kept).
 
-Kinds:
+Kinds (``KINDS``):
 
-- ``colour_of_shape``      1 image:  "what colour is the square ?"   -> "the square blue ."
-- ``count``                1 image:  "how many shapes are there ?"   -> "there are three ." / "there is one ."
+- ``colour_of_shape``      1 image:  "what colour is the square ?"  -> "the square blue ."
+- ``count``                1 image:  "how many shapes are there ?"  -> "there are three ." / "there is one ."
 - ``colour_of_shape_2img`` 2 images: "what colour is the triangle ?" -> "the triangle green ."
   (the only triangle in the two images; the other image may repeat its colour)
+- ``compare_colours``      1 image, two regions: "do the square and the circle match ?" ->
+  "the square red , the circle red , so same ." (half the scenes give the two shapes one colour). The
+  verdict, the last deciding word, depends on two separate regions of the image.
 
-What made this learnable on a 2-core CPU budget (from-scratch ~0.7M-parameter LLaVA):
+Scoring (``is_correct``): the colour, number and verdict words of the generated text, in order, must equal
+those of the reference answer (shape words are keys the answer repeats and are not scored).
 
-- the answer repeats the key right before the deciding word, so the look-up happens at the key token
-  itself (one hop). With "it is blue ." the model stayed at "some colour in the image" for 800+ steps;
-- shapes have a light outline, which carries the shape independently of the colour; without it even a
-  one-shape "what shape is it" stayed at chance for 700 steps;
-- one-shape scenes are part of the mix (they teach the colour read-out first);
-- each shape covers 2x2 patches (4 vision tokens), not one.
-- colour-of-shape is learned before counting joins the mix (``train_default_model`` does that): with
-  counting from the start, counting was learned first and colour-of-shape stayed below chance.
-- "what shape is the red one ?" (``shape_of_colour``, the other look-up direction; ``qa_shape_of_colour``)
-  is implemented but kept out of ``KINDS``: mixed in from the start it kept colour-of-shape below chance
-  for 1500 steps, and added after the colour look-up it was at 25% (one image) / 42% (two images) after
-  500 steps, too slow for the training budget.
+Why these choices (what trains from scratch on a 2-core CPU within the budget):
+
+- the answer repeats the key right before the deciding word, so each look-up happens at the key token
+  itself (one hop); the comparison is written out (both colours, then the verdict), so it needs two such
+  look-ups and a comparison of two text tokens, never a two-hop look-up inside the image;
+- textures carry the shape in every patch of it; a silhouette alone needs the vision tower to combine
+  neighbouring patches, which did not train within the budget at 36 tokens per image already;
+- shapes have one size, so the share of non-background tokens counts them;
+- colour-of-shape is learned before the other kinds join the mix (``train_default_model`` does that).
 
 Splits are disjoint by seed space: every example is drawn from its own ``random.Random`` keyed by the string
 ``(split, seed, index)``.
@@ -38,6 +41,7 @@ Splits are disjoint by seed space: every example is drawn from its own ``random.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections import Counter
@@ -46,13 +50,37 @@ from dataclasses import dataclass, field
 from PIL import Image, ImageDraw
 from vlkv.tools.progress import progress
 
-IMAGE_SIZE = 72
-PATCH_SIZE = 12
-GRID = IMAGE_SIZE // PATCH_SIZE  # 6x6 patches = 36 vision tokens per image
+IMAGE_SIZE = 336
+PATCH_SIZE = 14
+GRID = IMAGE_SIZE // PATCH_SIZE  # 24x24 patches = 576 vision tokens per image
 TOKENS_PER_IMAGE = GRID * GRID
-SPAN = 2  # each shape covers SPAN x SPAN patches (4 vision tokens), aligned to patch boundaries
+SPAN = 6  # each shape covers SPAN x SPAN patches (36 vision tokens), aligned to patch boundaries
 BOX = SPAN * PATCH_SIZE
-MAX_NEW_TOKENS = 6  # answers are 4 words + eos
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where shapes go: an ``image`` x ``image`` canvas of ``patch``-pixel patches, shapes ``span`` patches wide."""
+
+    image: int
+    patch: int
+    span: int
+
+    @property
+    def grid(self) -> int:
+        return self.image // self.patch
+
+    @property
+    def box(self) -> int:
+        return self.span * self.patch
+
+
+FULL = Geometry(IMAGE_SIZE, PATCH_SIZE, SPAN)
+# Training's first stage: the same patches (a shape's patch looks exactly as at full size: same colours, same
+# texture period) on an 8x8 grid, shapes 2x2 patches: 64 vision tokens per image, so prompts are short while
+# the copy and look-up circuits form, and the vision tower runs with interpolated position embeddings.
+LOW = Geometry(8 * PATCH_SIZE, PATCH_SIZE, 2)
+MAX_NEW_TOKENS = 12  # the longest answer ("the square red , the circle red , so same .") is 11 words + eos
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -62,32 +90,37 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "purple": (160, 60, 210),
 }
 SHAPES = ["square", "circle", "triangle", "cross"]
+TEXTURES = {"square": "hstripes", "circle": "plain", "triangle": "vstripes", "cross": "checker"}
+TEXTURE_PERIOD = 7  # pixels: two periods per patch, so every patch of a shape shows its texture
 NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four"}
+VERDICTS = ("same", "different")
 BACKGROUND = (30, 30, 30)
 OUTLINE = (255, 255, 255)
 OUTLINE_WIDTH = 2
 
-# The shipped default model was trained on these three kinds; ``shape_of_colour`` (the reverse look-up) is
-# implemented below but kept out of the mix: with it, colour_of_shape stayed below chance (see above).
-KINDS = ["colour_of_shape", "count", "colour_of_shape_2img"]
-KIND_WEIGHTS = [0.45, 0.2, 0.35]
+KINDS = ["colour_of_shape", "count", "colour_of_shape_2img", "compare_colours"]
+KIND_WEIGHTS = [0.3, 0.15, 0.3, 0.25]
 
-_FIXED_WORDS = "what colour shape is the one how many shapes are there".split()
-VOCAB: list[str] = list(dict.fromkeys([*_FIXED_WORDS, *COLOURS, *SHAPES, *NUMBERS.values(), "?", "."]))
+SYSTEM_PROMPT = (
+    "you are a careful visual assistant . look at the image and answer the question in one short sentence ."
+)
+_FIXED_WORDS = (
+    "what colour shape is the one how many shapes are there do and match so you a careful visual "
+    "assistant look at image answer question in short sentence"
+).split()
+VOCAB: list[str] = list(
+    dict.fromkeys([*_FIXED_WORDS, *COLOURS, *SHAPES, *NUMBERS.values(), *VERDICTS, "?", ".", ","])
+)
 """All task words (the tokenizer adds the special tokens and the chat-frame words)."""
 
-CATEGORY_WORDS = {
-    "colour": set(COLOURS),
-    "shape": set(SHAPES),
-    "number": set(NUMBERS.values()),
-}
+DECIDING_WORDS = set(COLOURS) | set(NUMBERS.values()) | set(VERDICTS)
 
 
 @dataclass(frozen=True)
 class Obj:
     shape: str
     colour: str
-    cell: tuple[int, int]  # (row, col) of the top-left patch; only used for drawing
+    cell: tuple[int, int]  # (row, col) of the top-left patch; only used for drawing and analysis
 
 
 @dataclass(frozen=True)
@@ -95,8 +128,8 @@ class QA:
     kind: str
     question: str
     answer: str
-    target: str  # the deciding word
-    category: str  # "colour" | "shape" | "number"
+    target: str  # the last deciding word
+    category: str  # "colour" | "number" | "verdict"
 
 
 @dataclass
@@ -104,14 +137,15 @@ class Example:
     images: list[Image.Image]
     question: str  # text after the image(s)
     answer: str  # full target answer, e.g. "the square blue ."
-    target: str  # the deciding word, e.g. "blue"
-    category: str  # "colour" | "shape" | "number"
+    target: str  # the last deciding word, e.g. "blue"
+    category: str  # "colour" | "number" | "verdict"
     kind: str
     objects: list[list[Obj]] = field(default_factory=list)  # per image
+    focus: list[tuple[int, Obj]] = field(default_factory=list)  # (image, object) the answer reads
 
     @property
     def messages(self) -> list[dict]:
-        """Chat messages: the images first, then the question."""
+        """Chat messages: the images first, then the question (the template adds the system prompt)."""
         content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": self.question}]
         return [{"role": "user", "content": content}]
 
@@ -126,16 +160,20 @@ def qa_colour_of_shape(obj: Obj, two_images: bool = False) -> QA:
     )
 
 
-def qa_shape_of_colour(obj: Obj, two_images: bool = False) -> QA:
-    kind = "shape_of_colour_2img" if two_images else "shape_of_colour"
-    return QA(
-        kind, f"what shape is the {obj.colour} one ?", f"the {obj.colour} {obj.shape} .", obj.shape, "shape"
-    )
-
-
 def qa_count(n: int) -> QA:
     verb = "is" if n == 1 else "are"
     return QA("count", "how many shapes are there ?", f"there {verb} {NUMBERS[n]} .", NUMBERS[n], "number")
+
+
+def qa_compare(a: Obj, b: Obj) -> QA:
+    verdict = "same" if a.colour == b.colour else "different"
+    return QA(
+        "compare_colours",
+        f"do the {a.shape} and the {b.shape} match ?",
+        f"the {a.shape} {a.colour} , the {b.shape} {b.colour} , so {verdict} .",
+        verdict,
+        "verdict",
+    )
 
 
 def scene_questions(objects: list[list[Obj]]) -> list[QA]:
@@ -143,37 +181,29 @@ def scene_questions(objects: list[list[Obj]]) -> list[QA]:
     flat = [o for objs in objects for o in objs]
     two = len(objects) == 2
     shape_counts = Counter(o.shape for o in flat)
-    colour_counts = Counter(o.colour for o in flat)
-    out: list[QA] = []
-    for o in flat:
-        if shape_counts[o.shape] == 1:
-            out.append(qa_colour_of_shape(o, two))
-        if colour_counts[o.colour] == 1:
-            out.append(qa_shape_of_colour(o, two))
+    unique = [o for o in flat if shape_counts[o.shape] == 1]
+    out = [qa_colour_of_shape(o, two) for o in unique]
     if not two:
         out.append(qa_count(len(flat)))
+        out += [qa_compare(a, b) for a in unique for b in unique if a is not b]
     return out
 
 
 # --- images ---------------------------------------------------------------------------------------------
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, obj: Obj, rgb: tuple[int, int, int]) -> None:
-    """A coloured shape with a light outline: the outline carries the shape independently of the colour."""
-    r, c = obj.cell
-    x0, y0 = c * PATCH_SIZE, r * PATCH_SIZE
-    x1, y1 = x0 + BOX - 1, y0 + BOX - 1
-    style = dict(fill=rgb, outline=OUTLINE, width=OUTLINE_WIDTH)
-    if obj.shape == "square":
-        draw.rectangle([x0 + 2, y0 + 2, x1 - 2, y1 - 2], **style)
-    elif obj.shape == "circle":
-        draw.ellipse([x0 + 1, y0 + 1, x1 - 1, y1 - 1], **style)
-    elif obj.shape == "triangle":
-        draw.polygon([((x0 + x1) / 2, y0 + 1), (x0 + 1, y1 - 1), (x1 - 1, y1 - 1)], **style)
-    elif obj.shape == "cross":
-        a = BOX // 5  # half-width of the bars
-        mx, my = x0 + BOX // 2, y0 + BOX // 2
-        lf, tp, rt, bt = x0 + 1, y0 + 1, x1 - 1, y1 - 1
+def _silhouette(draw: ImageDraw.ImageDraw, shape: str, x0: int, y0: int, x1: int, y1: int, **style) -> None:
+    box = x1 - x0 + 1
+    if shape == "square":
+        draw.rectangle([x0 + 4, y0 + 4, x1 - 4, y1 - 4], **style)
+    elif shape == "circle":
+        draw.ellipse([x0 + 2, y0 + 2, x1 - 2, y1 - 2], **style)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) / 2, y0 + 2), (x0 + 2, y1 - 2), (x1 - 2, y1 - 2)], **style)
+    elif shape == "cross":
+        a = box // 5  # half-width of the bars
+        mx, my = x0 + box // 2, y0 + box // 2
+        lf, tp, rt, bt = x0 + 2, y0 + 2, x1 - 2, y1 - 2
         pts = [
             (mx - a, tp),
             (mx + a, tp),
@@ -190,74 +220,154 @@ def _draw_shape(draw: ImageDraw.ImageDraw, obj: Obj, rgb: tuple[int, int, int]) 
         ]
         draw.polygon(pts, **style)
     else:  # pragma: no cover - guarded by SHAPES
-        raise ValueError(obj.shape)
+        raise ValueError(shape)
 
 
-def render_image(objects: list[Obj], rng: random.Random) -> Image.Image:
+def _texture(shape: str, rgb: tuple[int, int, int], box: int = BOX) -> Image.Image:
+    """A box x box tile of the shape's texture: its colour with darker stripes / checks."""
+    tile = Image.new("RGB", (box, box), rgb)
+    kind = TEXTURES[shape]
+    if kind == "plain":
+        return tile
+    dark = tuple(v // 2 for v in rgb)
+    draw = ImageDraw.Draw(tile)
+    p, h = TEXTURE_PERIOD, TEXTURE_PERIOD // 2
+    for i in range(0, box, p):
+        if kind == "hstripes":
+            draw.rectangle([0, i, box - 1, i + h - 1], fill=dark)
+        elif kind == "vstripes":
+            draw.rectangle([i, 0, i + h - 1, box - 1], fill=dark)
+        else:  # checker
+            for j in range(0, box, p):
+                if (i // p + j // p) % 2 == 0:
+                    draw.rectangle([i, j, i + p - 1, j + p - 1], fill=dark)
+    return tile
+
+
+def render_image(objects: list[Obj], rng: random.Random, g: Geometry = FULL) -> Image.Image:
     """Draw objects on a plain background; background and colours get a small jitter."""
     bg = tuple(max(0, min(255, v + rng.randint(-6, 6))) for v in BACKGROUND)
-    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), bg)
+    img = Image.new("RGB", (g.image, g.image), bg)
+    box = g.box
     draw = ImageDraw.Draw(img)
     for obj in objects:
         rgb = tuple(max(0, min(255, v + rng.randint(-20, 20))) for v in COLOURS[obj.colour])
-        _draw_shape(draw, obj, rgb)
+        r, c = obj.cell
+        x0, y0 = c * g.patch, r * g.patch
+        mask = Image.new("L", (box, box), 0)
+        _silhouette(ImageDraw.Draw(mask), obj.shape, 0, 0, box - 1, box - 1, fill=255)
+        img.paste(_texture(obj.shape, rgb, box), (x0, y0), mask)
+        _silhouette(draw, obj.shape, x0, y0, x0 + box - 1, y0 + box - 1, outline=OUTLINE, width=OUTLINE_WIDTH)
     return img
 
 
-def _place(rng: random.Random, pairs: list[tuple[str, str]]) -> list[Obj]:
-    """Non-overlapping SPAN x SPAN placements (top-left patch cells) for (shape, colour) pairs."""
+@functools.cache
+def _cover(shape: str) -> tuple[tuple[float, ...], ...]:
+    """Share of each of a shape's SPAN x SPAN patches its silhouette covers."""
+    mask = Image.new("L", (BOX, BOX), 0)
+    _silhouette(ImageDraw.Draw(mask), shape, 0, 0, BOX - 1, BOX - 1, fill=255)
+    px = mask.load()
+    return tuple(
+        tuple(
+            sum(
+                px[x, y] > 0
+                for y in range(dr * PATCH_SIZE, (dr + 1) * PATCH_SIZE)
+                for x in range(dc * PATCH_SIZE, (dc + 1) * PATCH_SIZE)
+            )
+            / PATCH_SIZE**2
+            for dc in range(SPAN)
+        )
+        for dr in range(SPAN)
+    )
+
+
+def patch_labels(objects: list[Obj], min_cover: float = 0.3) -> list[Obj | None]:
+    """Per vision token (row-major over the ``GRID`` x ``GRID`` patches), the object covering at least
+    ``min_cover`` of the patch, or None. Training uses it for the feature-alignment term."""
+    out: list[Obj | None] = [None] * TOKENS_PER_IMAGE
+    for obj in objects:
+        cover = _cover(obj.shape)
+        r0, c0 = obj.cell
+        for dr in range(SPAN):
+            for dc in range(SPAN):
+                if cover[dr][dc] >= min_cover:
+                    out[(r0 + dr) * GRID + c0 + dc] = obj
+    return out
+
+
+def _place(rng: random.Random, pairs: list[tuple[str, str]], g: Geometry = FULL) -> list[Obj]:
+    """Non-overlapping span x span placements (top-left patch cells) for (shape, colour) pairs."""
+    n, span = g.grid, g.span
     while True:  # greedy placement can (rarely) paint itself into a corner: start over
-        free = [(r, c) for r in range(GRID - SPAN + 1) for c in range(GRID - SPAN + 1)]
+        free = [(r, c) for r in range(n - span + 1) for c in range(n - span + 1)]
         objs: list[Obj] = []
         for shape, colour in pairs:
             if not free:
                 break
             cell = rng.choice(free)
             objs.append(Obj(shape=shape, colour=colour, cell=cell))
-            free = [(r, c) for r, c in free if abs(r - cell[0]) >= SPAN or abs(c - cell[1]) >= SPAN]
+            free = [(r, c) for r, c in free if abs(r - cell[0]) >= span or abs(c - cell[1]) >= span]
         if len(objs) == len(pairs):
             return objs
 
 
 def _scene(
-    rng: random.Random, n: int, avoid_shape: str | None = None, avoid_colour: str | None = None
+    rng: random.Random,
+    n: int,
+    avoid_shape: str | None = None,
+    avoid_colour: str | None = None,
+    g: Geometry = FULL,
 ) -> list[Obj]:
     """n objects with pairwise distinct shapes and colours, none of ``avoid_shape`` / ``avoid_colour``."""
     shapes = rng.sample([s for s in SHAPES if s != avoid_shape], n)
     colours = rng.sample([c for c in COLOURS if c != avoid_colour], n)
-    return _place(rng, list(zip(shapes, colours, strict=True)))
+    return _place(rng, list(zip(shapes, colours, strict=True)), g)
 
 
 # --- examples -------------------------------------------------------------------------------------------
 
 
-def _example(rng: random.Random, kind: str) -> Example:
-    if kind in ("colour_of_shape", "shape_of_colour", "count"):
-        # one-shape scenes are part of the mix: they teach the colour / shape read-out that the keyed
-        # look-up in busier scenes builds on
-        objs = _scene(rng, rng.randint(1, 4))
+def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = FULL) -> Example:
+    if kind in ("colour_of_shape", "count"):
+        # one-shape scenes are part of the mix: they teach the colour read-out that the keyed look-up in
+        # busier scenes builds on
+        objs = _scene(rng, rng.randint(1, max_objects), g=g)
         scenes = [objs]
         if kind == "count":
-            qa = qa_count(len(objs))
+            qa, focus = qa_count(len(objs)), [(0, o) for o in objs]
         else:
             t = rng.choice(objs)
-            qa = qa_colour_of_shape(t) if kind == "colour_of_shape" else qa_shape_of_colour(t)
-    elif kind in ("colour_of_shape_2img", "shape_of_colour_2img"):
-        by_shape = kind == "colour_of_shape_2img"
+            qa, focus = qa_colour_of_shape(t), [(0, t)]
+    elif kind == "colour_of_shape_2img":
         target = Obj(rng.choice(SHAPES), rng.choice(list(COLOURS)), (0, 0))
         n_with, n_other = rng.randint(1, 3), rng.randint(1, 3)
-        rest = _scene(rng, n_with - 1, target.shape, target.colour)
+        rest = _scene(rng, n_with - 1, target.shape, target.colour, g)
         pairs = [(o.shape, o.colour) for o in rest] + [(target.shape, target.colour)]
         rng.shuffle(pairs)
-        with_target = _place(rng, pairs)
+        with_target = _place(rng, pairs, g)
         # the other image has no shape of the key's kind (its colours may repeat the target's)
-        other = _scene(rng, n_other, target.shape if by_shape else None, None if by_shape else target.colour)
-        scenes = [with_target, other] if rng.randrange(2) == 0 else [other, with_target]
-        qa = qa_colour_of_shape(target, True) if by_shape else qa_shape_of_colour(target, True)
+        other = _scene(rng, n_other, target.shape, None, g)
+        first = rng.randrange(2) == 0
+        scenes = [with_target, other] if first else [other, with_target]
+        t = next(o for o in with_target if o.shape == target.shape)
+        qa, focus = qa_colour_of_shape(t, True), [(0 if first else 1, t)]
+    elif kind == "compare_colours":
+        n = rng.randint(2, 4)
+        shapes = rng.sample(SHAPES, n)
+        colours = rng.sample(list(COLOURS), n)
+        if rng.randrange(2) == 0:  # half the scenes give the two asked shapes one colour
+            colours[1] = colours[0]
+        objs = _place(rng, list(zip(shapes, colours, strict=True)), g)
+        rng.shuffle(objs)
+        a, b = next(o for o in objs if o.shape == shapes[0]), next(o for o in objs if o.shape == shapes[1])
+        if rng.randrange(2) == 0:
+            a, b = b, a
+        scenes = [objs]
+        qa, focus = qa_compare(a, b), [(0, a), (0, b)]
     else:
         raise ValueError(f"unknown kind {kind!r}")
-    images = [render_image(objs, rng) for objs in scenes]
-    return Example(images, qa.question, qa.answer, qa.target, qa.category, qa.kind, scenes)
+    images = [render_image(objs, rng, g) for objs in scenes]
+    return Example(images, qa.question, qa.answer, qa.target, qa.category, qa.kind, scenes, focus)
 
 
 def _rng(split: str, seed: int, index: int) -> random.Random:
@@ -265,7 +375,7 @@ def _rng(split: str, seed: int, index: int) -> random.Random:
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     # str seeds are hashed with SHA-512 by random.Random: deterministic across runs and platforms, and the
     # split name keeps the two seed spaces disjoint.
-    return random.Random(f"vlkv-synthetic/{split}/{seed}/{index}")
+    return random.Random(f"vlkv-synthetic-576/{split}/{seed}/{index}")
 
 
 def make_example(
@@ -274,12 +384,15 @@ def make_example(
     split: str = "train",
     kind: str | None = None,
     weights: list[float] | None = None,
+    max_objects: int = 4,
+    geometry: Geometry = FULL,
 ) -> Example:
-    """The ``index``-th example of the stream ``(split, seed)``; ``kind`` forces a question kind and
-    ``weights`` (one per entry of ``KINDS``) replaces ``KIND_WEIGHTS``."""
+    """The ``index``-th example of the stream ``(split, seed)``; ``kind`` forces a question kind,
+    ``weights`` (one per entry of ``KINDS``) replaces ``KIND_WEIGHTS`` and ``max_objects`` caps the shapes of
+    one-image colour and count scenes (training's warm-up)."""
     rng = _rng(split, seed, index)
     k = rng.choices(KINDS, weights=weights or KIND_WEIGHTS)[0]
-    return _example(rng, kind or k)
+    return _example(rng, kind or k, max_objects, geometry)
 
 
 def make_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
@@ -292,16 +405,19 @@ def make_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
 _WORD_RE = re.compile(r"[a-z]+")
 
 
-def is_correct(generated_text: str, example: Example) -> bool:
-    """True iff the answer names the deciding word and no other word of the same category.
+def deciding_words(text: str) -> list[str]:
+    """The colour, number and verdict words of ``text``, in order."""
+    return [w for w in _WORD_RE.findall(text.lower()) if w in DECIDING_WORDS]
 
-    The key word the answer repeats is of the other category ("the square blue ." for a colour question),
-    so it never counts against the answer. ``generated_text`` is the decoded continuation (special tokens
-    may or may not be stripped).
+
+def is_correct(generated_text: str, example: Example) -> bool:
+    """True iff the deciding words of the generated text are exactly those of the reference answer.
+
+    Shape words are keys the answer repeats and are not scored. ``generated_text`` is the decoded
+    continuation (special tokens may or may not be stripped; text after the first eos is ignored).
     """
-    words = _WORD_RE.findall(generated_text.lower())
-    named = [w for w in words if w in CATEGORY_WORDS[example.category]]
-    return bool(named) and all(w == example.target for w in named)
+    text = generated_text.split("</s>")[0]
+    return deciding_words(text) == deciding_words(example.answer)
 
 
 # --- evaluation helpers (transformers imported lazily so the generator stays light) ----------------------

@@ -155,6 +155,7 @@ def tiny_llava_config(
     vision_heads: int = 4,
     intermediate: int | None = None,
     max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
 ) -> LlavaConfig | LlavaNextConfig:
     """CLIP vision tower + Mistral decoder (GQA if ``num_kv_heads < num_heads``, MHA if equal)."""
     if num_heads % num_kv_heads:
@@ -179,7 +180,7 @@ def tiny_llava_config(
         head_dim=hidden // num_heads,
         max_position_embeddings=max_position_embeddings,
         sliding_window=None,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,

@@ -2,13 +2,25 @@
 
     python -m vlkv.tools.task.train_default_model --out common/default_model
 
-Deterministic (fixed seeds, deterministic algorithms), CPU only, from random init. The loss is next-token
-cross-entropy on the answer tokens (and the closing eos) only. The first ``--lookup-only-steps`` batches hold
-only colour-of-shape questions, then counting joins the mix (see ``batches``).
+Deterministic (fixed seeds, deterministic algorithms), CPU only, from random init. The stages (``DEFAULTS``):
 
-One intra-op thread by default: on this shared 2-core machine two threads spent most of their time spinning
-(a step took 4-10 s with 2 threads under load vs ~0.4 s with 1). Loss values match between thread counts to
-the printed precision, but bit-exact reproduction is only promised for the same ``--threads``.
+1. ``--probe-steps`` (150): the vision tower and projector alone, with a linear probe naming each vision
+   token's shape and colour (background included). Without it, the decoder's shape-keyed look-up over 576
+   vision tokens did not form within 500+ steps: at init the features carry colour far more than shape.
+2. ``--warmup-scene-steps`` (to step 1400): one-image colour-of-shape questions, the scenes holding one shape
+   first and then up to ``--warmup-max-objects`` (4), one more every ``--warmup-ramp-steps`` / 4 (400) steps:
+   one shape teaches the colour read-out, two the look-up keyed by the shape.
+3. ``--lookup-only-steps`` (to step 1700): both colour-of-shape kinds (one and two images).
+4. The full mix (counting and the comparison join) to ``--steps`` (2400).
+5. ``--evict-steps`` (1,400, fresh AdamW at ``--evict-lr``, its own data stream, the comparison weighted up):
+   eviction-robust fine-tuning (``eviction.py``): the answer's tokens after the first see a random part of
+   the prompt, so the model does not lean on every background patch, as a pretrained LLM leans on its
+   attention sink instead. ``--init-from DIR`` starts this stage from a saved model of stages 1-4.
+
+The loss is next-token cross-entropy on the answer tokens (and the closing eos) only. The decoder's RoPE base
+is 1e6 (as Mistral-7B-v0.2): content look-ups over 600-1,200 tokens keep more position-independent
+frequency pairs. Bit-exact reproduction is promised for the same ``--threads`` (2 by default; on a 2-core
+machine shared with other work, 1 thread avoids spinning).
 """
 
 from __future__ import annotations
@@ -24,29 +36,35 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import LlavaForConditionalGeneration
+from transformers import AutoProcessor, LlavaForConditionalGeneration
 from vlkv.tools.progress import progress
+from vlkv.tools.task.eviction import eviction_mask
 from vlkv.tools.task.synthetic_task import (
     COLOURS,
+    FULL,
     IMAGE_SIZE,
     KIND_WEIGHTS,
     KINDS,
+    LOW,
+    MAX_NEW_TOKENS,
     PATCH_SIZE,
     SHAPES,
+    SYSTEM_PROMPT,
     VOCAB,
     Example,
     evaluate,
     make_example,
     make_examples,
+    patch_labels,
     scene_questions,
 )
-from vlkv.tools.task.tiny_llava import build_tiny, tokens_per_image
+from vlkv.tools.task.tiny_llava import build_processor, build_tiny, tokens_per_image
 
 DEFAULTS = dict(
-    steps=1200,
+    steps=2400,
     max_turns=1,
-    lookup_only_steps=400,
-    batch_size=32,
+    lookup_only_steps=1700,
+    batch_size=16,
     lr=1e-3,
     warmup=50,
     weight_decay=0.01,
@@ -60,8 +78,26 @@ DEFAULTS = dict(
     kv_heads=2,
     vision_hidden=64,
     vision_layers=2,
-    threads=1,
+    threads=2,
+    align_weight=0.0,
+    warmup_scene_steps=1400,
+    low_res_steps=0,
+    rope_theta=1e6,
+    warmup_max_objects=4,
+    warmup_ramp_steps=1600,
+    align_steps=0,
+    probe_steps=150,
+    evict_steps=1400,
+    evict_lr=5e-4,
+    evict_data_seed=11,
+    evict_seed=0,
 )
+EVICT_KIND_WEIGHTS = [
+    0.2,
+    0.25,
+    0.2,
+    0.35,
+]  # per KINDS: counting and the comparison, the slowest to learn, weigh most
 
 
 def set_determinism(seed: int, threads: int = 1) -> None:
@@ -72,7 +108,9 @@ def set_determinism(seed: int, threads: int = 1) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def conversation(ex: Example, index: int, seed: int, max_turns: int) -> list[dict]:
+def conversation(
+    ex: Example, index: int, seed: int, max_turns: int, kinds: set[str] | None = None
+) -> list[dict]:
     """Chat for one training scene: the example's question first (exactly the evaluation format), then up to
     ``max_turns - 1`` further questions about the same image(s), so one prefill of the images carries
     several supervised answers."""
@@ -85,7 +123,11 @@ def conversation(ex: Example, index: int, seed: int, max_turns: int) -> list[dic
 
     # Later turns never ask about a colour or shape already named, so no answer can be read off the history.
     used = named(f"{ex.question} {ex.answer}")
-    extra = [q for q in scene_questions(ex.objects) if q.question != ex.question]
+    extra = [
+        q
+        for q in scene_questions(ex.objects)
+        if q.question != ex.question and (kinds is None or q.kind in kinds)
+    ]
     rng.shuffle(extra)
     n_extra = rng.randint(0, max_turns - 1)
     for qa in extra:
@@ -113,6 +155,22 @@ def answer_mask(ids: torch.Tensor, assistant_id: int, colon_id: int, eos_id: int
         elif t == colon_id and j > 0 and int(ids[j - 1]) == assistant_id:
             inside = True
     return mask
+
+
+def align_targets(tok, chats: list[tuple[Example, list[dict]]]) -> torch.Tensor:
+    """``[images, tokens, 2]``: per vision token the word ids of its object's colour and shape (-100: none),
+    in the order the batch's images go through the vision tower."""
+    rows = []
+    for ex, _ in chats:
+        for objs in ex.objects:
+            labels = patch_labels(objs)
+            rows.append(
+                [
+                    [-100, -100] if o is None else tok.convert_tokens_to_ids([o.colour, o.shape])
+                    for o in labels
+                ]
+            )
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def collate(processor, chats: list[tuple[Example, list[dict]]]) -> dict[str, torch.Tensor]:
@@ -145,7 +203,15 @@ def collate(processor, chats: list[tuple[Example, list[dict]]]) -> dict[str, tor
 
 
 def batches(
-    seed: int, batch_size: int, max_turns: int, lookup_only_batches: int = 0
+    seed: int,
+    batch_size: int,
+    max_turns: int,
+    lookup_only_batches: int = 0,
+    warmup_batches: int = 0,
+    low_res_batches: int = 0,
+    warmup_max_objects: int = 2,
+    warmup_ramp_batches: int = 0,
+    mix_weights: list[float] | None = None,
 ) -> Iterator[list[tuple[Example, list[dict]]]]:
     """Deterministic training batches, bucketed by image count so padding stays small.
 
@@ -156,14 +222,26 @@ def batches(
     lookup_only = [
         w if k.startswith("colour_of_shape") else 0.0 for k, w in zip(KINDS, KIND_WEIGHTS, strict=True)
     ]
+    one_image = [1.0 if k == "colour_of_shape" else 0.0 for k in KINDS]
     pools: dict[int, list] = {1: [], 2: []}
+    stage = None
     done = 0
     i = 0
     while True:
-        weights = lookup_only if done < lookup_only_batches else None
-        ex = make_example(i, seed, "train", weights=weights)
+        warm = done < warmup_batches
+        weights = one_image if warm else lookup_only if done < lookup_only_batches else mix_weights
+        kinds = {k for k, w in zip(KINDS, weights, strict=True) if w} if weights else None
+        geometry = LOW if done < low_res_batches else FULL
+        if geometry is not stage:  # stage change: no batch mixes the two sizes
+            stage = geometry
+            for p in pools.values():
+                p.clear()
+        # warm-up scenes hold one shape at first, then up to ``warmup_max_objects`` in even steps
+        ramp = max(1, warmup_ramp_batches or warmup_batches)
+        n_obj = min(warmup_max_objects, 1 + done * warmup_max_objects // ramp) if warm else 4
+        ex = make_example(i, seed, "train", weights=weights, max_objects=n_obj, geometry=geometry)
         pool = pools[len(ex.images)]
-        pool.append((ex, conversation(ex, i, seed, max_turns)))
+        pool.append((ex, conversation(ex, i, seed, max_turns, kinds)))
         i += 1
         if len(pool) == batch_size:
             yield list(pool)
@@ -171,11 +249,88 @@ def batches(
             done += 1
 
 
+def align_loss(
+    model, features: torch.Tensor, targets: torch.Tensor, stage1: bool = False, background_id: int = -100
+) -> torch.Tensor:
+    """Feature alignment, as LLaVA's first training stage aligns the projector with the LM's word
+    embeddings: each projected vision token of an object, read against the input word embeddings, names
+    the object's colour and its shape (cross-entropy for each); background tokens name ``background_id``
+    (-100: not scored). ``stage1``: the word embeddings are held fixed (LLaVA's stage 1 freezes the LM)."""
+    emb = model.get_input_embeddings().weight
+    logits = features @ (emb.detach() if stage1 else emb).T  # [images, tokens, vocab]
+    flat = logits.reshape(-1, logits.shape[-1])
+    colour, shape = targets.reshape(-1, 2).unbind(-1)
+    colour = torch.where(colour >= 0, colour, torch.full_like(colour, background_id))
+    if bool((colour >= 0).any()):
+        ce = torch.nn.functional.cross_entropy
+        return ce(flat, colour, ignore_index=-100) + ce(flat, shape, ignore_index=-100)
+    return logits.sum() * 0.0
+
+
+def probe_targets(chats: list[tuple[Example, list[dict]]]) -> torch.Tensor:
+    """``[images, tokens, 2]``: per vision token its object's shape and colour class (background: the last
+    class of each), in the order the batch's images go through the vision tower."""
+    colours = list(COLOURS)
+    rows = []
+    for ex, _ in chats:
+        for objs in ex.objects:
+            rows.append(
+                [
+                    [len(SHAPES), len(colours)]
+                    if o is None
+                    else [SHAPES.index(o.shape), colours.index(o.colour)]
+                    for o in patch_labels(objs)
+                ]
+            )
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def probe_loss(head: torch.nn.Linear, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Stage 1: a linear probe on each projected vision token names its shape and its colour (background
+    included), so the features the decoder starts from carry both linearly."""
+    logits = head(features).reshape(-1, len(SHAPES) + 1 + len(COLOURS) + 1)
+    shape, colour = targets.reshape(-1, 2).unbind(-1)
+    ce = torch.nn.functional.cross_entropy
+    return ce(logits[:, : len(SHAPES) + 1], shape) + ce(logits[:, len(SHAPES) + 1 :], colour)
+
+
 def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
     if step < warmup:
         return base * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
     return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def evict_stage(model, processor, args: argparse.Namespace) -> None:
+    """Stage 5: eviction-robust fine-tuning (``eviction.py``), deterministic from ``--evict-seed``."""
+    torch.manual_seed(args.evict_seed)
+    rng = random.Random(args.evict_seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.evict_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    stream = batches(args.evict_data_seed, args.batch_size, 1, mix_weights=EVICT_KIND_WEIGHTS)
+    image_token_id = model.config.image_token_id
+    model.train()
+    t0 = time.time()
+    for step in progress(range(args.evict_steps), desc="train: eviction stage", unit="step"):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.evict_steps, args.evict_lr, 20)
+        chats = next(stream)
+        batch = collate(processor, chats)
+        batch["attention_mask"] = eviction_mask(
+            batch["input_ids"],
+            batch["labels"],
+            batch["attention_mask"],
+            [ex for ex, _ in chats],
+            image_token_id,
+            rng,
+        )
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == args.evict_steps - 1:
+            print(f"evict step {step:5d} loss {loss.item():.4f} elapsed {time.time() - t0:7.1f}s", flush=True)
+    model.eval()
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -191,32 +346,74 @@ def train(args: argparse.Namespace) -> dict:
         layers=args.layers,
         vision_hidden=args.vision_hidden,
         vision_layers=args.vision_layers,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
+        rope_theta=args.rope_theta,
+        system_prompt=SYSTEM_PROMPT,
     )
     torch.manual_seed(args.seed)
     model = LlavaForConditionalGeneration(cfg)
+    if args.init_from:  # stages 1-4 done already: start stage 5 from that model
+        processor = AutoProcessor.from_pretrained(args.init_from)
+        model = LlavaForConditionalGeneration.from_pretrained(args.init_from, dtype=torch.float32)
+        args.steps = 0
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"params={n_params} vocab={len(tok)} tokens/image={tokens_per_image(IMAGE_SIZE, PATCH_SIZE)}",
         flush=True,
     )
 
+    head = torch.nn.Linear(cfg.text_config.hidden_size, len(SHAPES) + 1 + len(COLOURS) + 1)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    decay += list(head.parameters()) if args.probe_steps else []
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr,
         betas=(0.9, 0.98),
     )
-    stream = batches(args.data_seed, args.batch_size, args.max_turns, args.lookup_only_steps)
+    stream = batches(
+        args.data_seed,
+        args.batch_size,
+        args.max_turns,
+        args.lookup_only_steps,
+        args.warmup_scene_steps,
+        args.low_res_steps,
+        args.warmup_max_objects,
+        args.warmup_ramp_steps,
+    )
+    low_processor = build_processor(tok, image_size=LOW.image, patch_size=PATCH_SIZE)
+    # CLIP interpolates its position embeddings to the smaller grid of the first stage (a no-op at full size)
+    model.model.vision_tower.embeddings.register_forward_pre_hook(
+        lambda mod, args_, kwargs: (args_, {**kwargs, "interpolate_pos_encoding": True}), with_kwargs=True
+    )
+    projected: list[torch.Tensor] = []
+    capture = model.model.multi_modal_projector.register_forward_hook(
+        lambda mod, inp, out: projected.append(out)
+    )
     t0 = time.time()
     model.train()
     ema = None
     for step in progress(range(args.steps), desc="train", unit="step"):
-        batch = collate(processor, next(stream))
+        chats = next(stream)
+        batch = collate(low_processor if step < args.low_res_steps else processor, chats)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        loss = model(**batch).loss
+        projected.clear()
+        if step < args.probe_steps:  # stage 1: vision tower and projector only, with a linear probe head
+            model.model.get_image_features(pixel_values=batch["pixel_values"])
+            loss = lm_loss = probe_loss(head, projected[0], probe_targets(chats))
+        elif (
+            step < args.align_steps
+        ):  # stage 1: vision tower and projector only, aligned to the word embeddings
+            model.model.get_image_features(pixel_values=batch["pixel_values"])
+            targets = align_targets(tok, chats)
+            loss = lm_loss = align_loss(
+                model, projected[0], targets, stage1=True, background_id=tok.unk_token_id
+            )
+        else:
+            loss = lm_loss = model(**batch).loss
+        if args.align_weight > 0 and step >= max(args.align_steps, args.probe_steps):
+            loss = loss + args.align_weight * align_loss(model, projected[0], align_targets(tok, chats))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -224,7 +421,7 @@ def train(args: argparse.Namespace) -> dict:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 25 == 0 or step == args.steps - 1:
             print(
-                f"step {step:5d} loss {loss.item():.4f} ema {ema:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"step {step:5d} loss {loss.item():.4f} answers {lm_loss.item():.4f} ema {ema:.4f} lr {opt.param_groups[0]['lr']:.2e} "
                 f"elapsed {time.time() - t0:7.1f}s",
                 flush=True,
             )
@@ -236,6 +433,10 @@ def train(args: argparse.Namespace) -> dict:
                 flush=True,
             )
             model.train()
+    capture.remove()
+    projected.clear()
+    if args.evict_steps:
+        evict_stage(model, processor, args)
     train_time = time.time() - t0
     model.eval()
 
@@ -257,6 +458,13 @@ def train(args: argparse.Namespace) -> dict:
         "lr": args.lr,
         "max_turns": args.max_turns,
         "lookup_only_steps": args.lookup_only_steps,
+        "align_weight": args.align_weight,
+        "warmup_scene_steps": args.warmup_scene_steps,
+        "low_res_steps": args.low_res_steps,
+        "evict_steps": args.evict_steps,
+        "evict_lr": args.evict_lr,
+        "init_from": args.init_from or None,
+        "stages_1_4_seconds": _prior_seconds(args.init_from) if args.init_from else None,
         "threads": args.threads,
         "params": n_params,
         "size_bytes": size,
@@ -275,7 +483,7 @@ def train(args: argparse.Namespace) -> dict:
         "heldout_n": args.eval_n,
         "heldout_seed": args.eval_seed,
         "heldout_per_kind": {k: round(v, 4) for k, v in per_kind.items()},
-        "max_new_tokens": 6,
+        "max_new_tokens": MAX_NEW_TOKENS,
         "torch": torch.__version__,
     }
     write_training_md(out / "TRAINING.md", record)
@@ -283,26 +491,65 @@ def train(args: argparse.Namespace) -> dict:
     return record
 
 
+def _prior_seconds(model_dir: str) -> float | None:
+    """The training time recorded in a saved model's TRAINING.md (its JSON block), if there is one."""
+    path = Path(model_dir) / "TRAINING.md"
+    if not path.exists():
+        return None
+    text = path.read_text()
+    start, end = text.find("```json"), text.rfind("```")
+    try:
+        return float(json.loads(text[start + len("```json") : end])["train_seconds"])
+    except (ValueError, KeyError):
+        return None
+
+
 def write_training_md(path: Path, rec: dict) -> None:
+    total = rec["train_seconds"] + (rec.get("stages_1_4_seconds") or 0.0)
+    per_kind = "\n".join(f"| {k} | {v:.4f} |" for k, v in rec["heldout_per_kind"].items())
     lines = [
-        "# Default model: tiny LLaVA trained on the synthetic task",
+        "# Default model: a small LLaVA at LLaVA-1.5's geometry, trained on the synthetic task",
         "",
         "Trained from random init on `vlkv.tools.task.synthetic_task` (content-keyed questions, multi-token",
-        "answers whose deciding word is not the first generated token), 2-core CPU, deterministic.",
+        "answers whose deciding words are never the first generated token), on this repo's 2-core CPU,",
+        "deterministically (fixed seeds and data order; bit-exact for the same `--threads`).",
         "",
         f"- command: `{rec['command']}`",
-        f"- training time: {rec['train_seconds']} s for {rec['steps']} steps of batch {rec['batch_size']}",
-        f"- parameters: {rec['params']:,} ({rec['dtype']}), saved size {rec['size_bytes'] / 1e6:.2f} MB",
-        f"- images: {rec['image_size']}x{rec['image_size']}, patch {rec['patch_size']}, "
-        f"{rec['tokens_per_image']} image tokens per image",
-        f"- decoder: Mistral, {rec['text']['layers']} layers, hidden {rec['text']['hidden']}, "
-        f"{rec['text']['heads']} query heads / {rec['text']['kv_heads']} KV heads (GQA)",
-        f"- vision tower: CLIP, {rec['vision']['layers']} layers, hidden {rec['vision']['hidden']}",
-        f"- held-out accuracy (full cache, greedy, max_new_tokens={rec['max_new_tokens']}, "
-        f"n={rec['heldout_n']}, seed={rec['heldout_seed']}): **{rec['heldout_accuracy']:.4f}**",
-        f"- per kind: {json.dumps(rec['heldout_per_kind'])}",
+        f"- training time: {total:.0f} s ({total / 60:.1f} min) for {rec['steps']} "
+        f"steps of batch {rec['batch_size']} (stages 1-4) and {rec['evict_steps']} eviction-robust steps "
+        f"(stage 5), {rec['threads']} thread(s)",
+        *(
+            [
+                f"- stage 5 started from `{rec['init_from']}` (stages 1-4 saved by the same command with",
+                f"  `--evict-steps 0`, {rec.get('stages_1_4_seconds') or 0:.0f} s); without `--init-from` the "
+                "command runs all five stages in one go",
+            ]
+            if rec.get("init_from")
+            else []
+        ),
+        "- stages (see the module docstring of `tools/task/train_default_model.py`): a linear probe on the",
+        "  vision features, a one-image colour warm-up ramping from one shape to four, both colour kinds, the",
+        "  full mix, then eviction-robust fine-tuning (`tools/task/eviction.py`): the answer's tokens after the",
+        "  first see a random part of the prompt, so the model does not lean on every background patch",
+        f"- parameters: {rec['params']:,} ({rec['dtype']}), on disk {rec['size_bytes'] / 1e6:.2f} MB",
+        f"- images: {rec['image_size']}x{rec['image_size']}, patch {rec['patch_size']}: "
+        f"**{rec['tokens_per_image']} vision tokens per image** (24x24, as LLaVA-1.5)",
+        f"- vision tower: CLIP, {rec['vision']['layers']} layer(s), hidden {rec['vision']['hidden']}; projector: "
+        "LLaVA-1.5's two-layer GELU MLP",
+        f"- decoder: Mistral (Llama-style), {rec['text']['layers']} layers, hidden {rec['text']['hidden']}, "
+        f"{rec['text']['heads']} query heads / {rec['text']['kv_heads']} KV heads (GQA), context 2048",
+        "- chat template with a system prompt (written when the chat has none): one-image prompts are ~620",
+        "  tokens, two-image prompts ~1,190",
         "",
-        "Reproduce the accuracy with `vlkv.tools.task.synthetic_task.evaluate_full_cache(dir, n, seed)`.",
+        f"Held-out accuracy, full cache, greedy, max_new_tokens={rec['max_new_tokens']}, n={rec['heldout_n']} "
+        f"(split `heldout`, seed {rec['heldout_seed']}): **{rec['heldout_accuracy']:.4f}**",
+        "",
+        "| kind | accuracy |",
+        "| --- | --- |",
+        per_kind,
+        "",
+        "Reproduce the accuracy with `vlkv.tools.task.synthetic_task.evaluate_full_cache(dir, n, seed)`; the",
+        "compressed accuracy with `vlkv eval --table -n 300`.",
         "",
         "```json",
         json.dumps(rec, indent=1),
@@ -318,6 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), dest=k, type=type(v), default=v)
     p.add_argument("--eval-every", dest="eval_every", type=int, default=0)
+    p.add_argument(
+        "--init-from", dest="init_from", default="", help="a saved model of stages 1-4 (skips them)"
+    )
     train(p.parse_args(argv))
 
 

@@ -27,45 +27,93 @@ from __future__ import annotations
 import random
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from vlkv.tools.task.synthetic_task import Example, patch_labels
 
 FULL_SHARE = 0.2
 UNIFORM_KEEP = (0.02, 0.5)
 CONTENT_KEEP = (0.15, 1.0)
 BACKGROUND_KEEP = (0.0, 0.15)
+FOCUS_KEEP = (0.3, 1.0)
+OTHER_KEEP = (0.0, 0.3)
+FOCUS_BACKGROUND_KEEP = (0.0, 0.1)
 SYSTEM_DROP = (0.0, 0.7)
+ATTN_IMPLEMENTATION = "vlkv-evict"
 
 
-def eviction_mask(
+def layered_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with the layer's own mask when the forward carries ``evict_masks`` (one mask per layer)."""
+    masks = kwargs.pop("evict_masks", None)
+    if masks is not None:
+        attention_mask = masks[module.layer_idx]
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_layered_attention(model) -> None:
+    """Switch the language model to ``layered_attention`` (training only; ``model.set_attn_implementation(
+    {"text_config": "sdpa"})`` switches back)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, layered_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
+
+
+def _vision_drop(
+    content: torch.Tensor, objects: torch.Tensor, n_objects: int, rng: random.Random
+) -> torch.Tensor:
+    """Which vision tokens one layer loses: one of three patterns, drawn at random."""
+    u = torch.rand(len(content))
+    mode = rng.randrange(3)
+    if mode == 0:  # uniform
+        return u > rng.uniform(*UNIFORM_KEEP)
+    if mode == 1:  # more of the content than of the background
+        keep_content, keep_background = rng.uniform(*CONTENT_KEEP), rng.uniform(*BACKGROUND_KEEP)
+        return torch.where(content, u > keep_content, u > keep_background)
+    # focused: one or two of the objects kept well, the others and the background sparsely
+    focus = rng.sample(range(n_objects), min(n_objects, rng.randint(1, 2)))
+    focused = torch.isin(objects, torch.tensor(focus))
+    keep = torch.where(
+        focused,
+        rng.uniform(*FOCUS_KEEP),
+        torch.where(content, rng.uniform(*OTHER_KEEP), rng.uniform(*FOCUS_BACKGROUND_KEEP)),
+    )
+    return u > keep
+
+
+def eviction_masks(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     attention_mask: torch.Tensor,
     examples: list[Example],
     image_token_id: int,
+    num_layers: int,
     rng: random.Random,
-) -> torch.Tensor:
-    """``[B, 1, S, S]`` boolean mask (True: attend) for a right-padded batch: causal over the valid tokens,
-    and for each example not drawn as full, its rows from the first answer token on lose a random part of
-    the prompt (module docstring). The draws use ``rng`` and torch's global generator."""
+) -> list[torch.Tensor]:
+    """Per layer a ``[B, 1, S, S]`` boolean mask (True: attend) for a right-padded batch: causal over the
+    valid tokens, and for each example not drawn as full, its rows from the first answer token on lose a
+    part of the prompt drawn for that layer (module docstring). The draws use ``rng`` and torch's global
+    generator."""
     batch, seq = input_ids.shape
     valid = attention_mask.bool()
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    mask = (causal[None] & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool)[None]
+    base = (causal[None] & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool)[None]
+    masks = [base.clone() for _ in range(num_layers)]
     for b, ex in enumerate(examples):
         if rng.random() < FULL_SHARE:
             continue
         first_answer = int((labels[b] != -100).nonzero()[0])
         vision = (input_ids[b] == image_token_id).nonzero().flatten()
-        content = torch.tensor([o is not None for objs in ex.objects for o in patch_labels(objs)])
-        if rng.random() < 0.5:
-            drop = torch.rand(len(vision)) > rng.uniform(*UNIFORM_KEEP)
-        else:
-            keep_content, keep_background = rng.uniform(*CONTENT_KEEP), rng.uniform(*BACKGROUND_KEEP)
-            u = torch.rand(len(vision))
-            drop = torch.where(content, u > keep_content, u > keep_background)
-        rate = rng.uniform(*SYSTEM_DROP)
+        flat = [o for objs in ex.objects for o in objs]
+        index = {id(o): i for i, o in enumerate(flat)}
+        labels_of = [o for objs in ex.objects for o in patch_labels(objs)]
+        content = torch.tensor([o is not None for o in labels_of])
+        objects = torch.tensor([-1 if o is None else index[id(o)] for o in labels_of])
         first_image = int(vision[0])
-        system_drop = torch.tensor([rng.random() < rate for _ in range(first_image)], dtype=torch.bool)
-        mask[b, first_answer:, vision[drop]] = False
-        mask[b, first_answer:, :first_image] &= ~system_drop
-    return mask[:, None]
+        for mask in masks:
+            drop = _vision_drop(content, objects, len(flat), rng)
+            rate = rng.uniform(*SYSTEM_DROP)
+            system_drop = torch.tensor([rng.random() < rate for _ in range(first_image)], dtype=torch.bool)
+            mask[b, first_answer:, vision[drop]] = False
+            mask[b, first_answer:, :first_image] &= ~system_drop
+    return [m[:, None] for m in masks]

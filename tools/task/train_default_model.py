@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 from vlkv.tools.progress import progress
-from vlkv.tools.task.eviction import eviction_mask
+from vlkv.tools.task.eviction import eviction_masks, use_layered_attention
 from vlkv.tools.task.synthetic_task import (
     COLOURS,
     FULL,
@@ -308,6 +308,8 @@ def evict_stage(model, processor, args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.evict_lr, betas=(0.9, 0.98), weight_decay=0.01)
     stream = batches(args.evict_data_seed, args.batch_size, 1, mix_weights=EVICT_KIND_WEIGHTS)
     image_token_id = model.config.image_token_id
+    num_layers = model.config.text_config.num_hidden_layers
+    use_layered_attention(model)
     model.train()
     t0 = time.time()
     for step in progress(range(args.evict_steps), desc="train: eviction stage", unit="step"):
@@ -315,14 +317,17 @@ def evict_stage(model, processor, args: argparse.Namespace) -> None:
             g["lr"] = lr_at(step, args.evict_steps, args.evict_lr, 20)
         chats = next(stream)
         batch = collate(processor, chats)
-        batch["attention_mask"] = eviction_mask(
+        masks = eviction_masks(
             batch["input_ids"],
             batch["labels"],
             batch["attention_mask"],
             [ex for ex, _ in chats],
             image_token_id,
+            num_layers,
             rng,
         )
+        batch["attention_mask"] = masks[0]
+        batch["evict_masks"] = masks
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -330,6 +335,7 @@ def evict_stage(model, processor, args: argparse.Namespace) -> None:
         opt.step()
         if step % 25 == 0 or step == args.evict_steps - 1:
             print(f"evict step {step:5d} loss {loss.item():.4f} elapsed {time.time() - t0:7.1f}s", flush=True)
+    model.set_attn_implementation({"text_config": "sdpa"})
     model.eval()
 
 

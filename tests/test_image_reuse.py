@@ -107,7 +107,9 @@ def test_rotated_keys_match_keys_computed_at_the_new_position(default_engine):
     _, keys_b, _ = eng.prefill.forward(b)
     rope = language_model(eng.model).rotary_emb
     moved = rotate(keys_a[0][:, sa:ea], sb - sa, rope)
-    torch.testing.assert_close(moved, keys_b[0][:, sb:eb], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        moved, keys_b[0][:, sb:eb], rtol=1e-4, atol=5e-5
+    )  # fp32 rounding of two rotations
     assert (keys_a[0][:, sa:ea] - keys_b[0][:, sb:eb]).abs().max() > 1e-2  # the rotation did something
 
 

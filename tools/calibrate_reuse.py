@@ -51,8 +51,9 @@ def measure(engine: InProcessEngine, n: int = 8, seed: int = 0) -> Calibration:
     rng = random.Random(seed)
     examples = [e for e in make_examples(4 * n, seed=seed, split="train") if len(e.images) == 1][:n]
     for ex in examples:
-        first = engine.prepare(ex.images, prompt_with_prefix(proc, ex, random_prefix(rng)), compression=FULL)
-        text = prompt_with_prefix(proc, ex, random_prefix(rng)) + " " + ex.answer
+        prefix = random_prefix(rng)
+        first = engine.prepare(ex.images, prompt_with_prefix(proc, ex, prefix), compression=FULL)
+        text = prompt_with_prefix(proc, ex, random_prefix(rng, other=prefix)) + " " + ex.answer
         asked = engine.prepare(ex.images, text, compression=FULL)
         keep = len(proc.tokenizer(" " + ex.answer, add_special_tokens=False).input_ids)
         asked.reuse = first.reuse = ReuseSettings(mode="none", ratio=0.0)

@@ -50,6 +50,8 @@ def _server_config(args) -> ServerConfig:
             kv_transport=args.kv_transport,
             kv_dtype=args.kv_dtype,
             nixl_min_bytes=int(args.nixl_min_mb * (1 << 20)),
+            max_unclaimed_per_sender=args.max_unclaimed,
+            unclaimed_lease_s=args.unclaimed_lease_s,
         ),
         host=args.host,
         image_cache_mb=args.image_cache_mb,
@@ -107,6 +109,19 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=8.0,
         help="auto: caches smaller than this go over gRPC (NIXL's extra round trip costs more there; 0: none)",
+    )
+    p.add_argument(
+        "--max-unclaimed",
+        type=int,
+        default=8,
+        help="decode side: caches one sending host may park unclaimed at once (a cache a Decode call has "
+        "not claimed yet)",
+    )
+    p.add_argument(
+        "--unclaimed-lease-s",
+        type=float,
+        default=5.0,
+        help="decode side: an unclaimed cache is freed after this many seconds",
     )
     p.add_argument(
         "--kv-dtype",

@@ -109,13 +109,13 @@ def measure_ttft(model_dir: str, n: int, repeats: int, seed: int = 0) -> Report:
     examples = make_examples(n, seed=seed, split="heldout")
     warm, asked = [], []
     for ex in examples:
+        first = random_prefix(rng)
         warm.append(
             eng.prepare(
-                ex.images,
-                prompt_with_prefix(proc, _with_question(ex, _other_question(ex, rng)), random_prefix(rng)),
+                ex.images, prompt_with_prefix(proc, _with_question(ex, _other_question(ex, rng)), first)
             )
         )
-        asked.append(prompt_with_prefix(proc, ex, random_prefix(rng)))
+        asked.append(prompt_with_prefix(proc, ex, random_prefix(rng, other=first)))
     cached = PrefillEngine(eng.model, eng.spec, ImageCache(1 << 30))
     for req in warm:
         cached.run(req)  # miss: fills the cache

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.tools.eval.evaluation import compress, decode_batch
-from vlkv.tools.task.synthetic_task import is_correct, prompt_text
+from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, is_correct, prompt_text
 
 KVPRESS_VERSION = "0.5.5"
 CACHE_DIR = Path.home() / ".cache" / "vlkv-bench" / f"kvpress-{KVPRESS_VERSION}"
@@ -190,7 +190,7 @@ def run_kvpress(model_dir: Path, model, processor, examples, prepared, budgets, 
             except Exception as exc:  # a press that does not apply is reported with its error
                 rows.append({"press": name, "budget": b, "error": f"{exc.__class__.__name__}: {exc}"})
                 continue
-            outs = decode_batch(model, caches, 8, eos)
+            outs = decode_batch(model, caches, MAX_NEW_TOKENS, eos)
             texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
             acc = sum(is_correct(t, ex) for t, ex in zip(texts, examples, strict=True)) / len(examples)
             rows.append(

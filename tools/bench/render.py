@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vlkv.tools.bench.report import COLORS, SYSTEMS, Results
+from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS
 
 
 def _f(x, fmt: str = ".1f", none: str = "—") -> str:
@@ -132,10 +133,10 @@ def _markdown(res: Results) -> list[str]:
         f"{plan.long_tokens + plan.max_new_tokens + 256} positions and no end-of-sequence token, so every "
         f"request decodes exactly {plan.max_new_tokens} tokens in all three systems (answers past the trained "
         "length are meaningless; speed is not affected).",
-        f"- Short prompts: the synthetic task as is (1-2 images of 36 vision tokens, the question): "
+        f"- Short prompts: the synthetic task as is (1-2 images of {wl.get('tokens_per_image')} vision tokens, the question): "
         f"{wl.get('short_prompt_tokens_min')}-{wl.get('short_prompt_tokens_max')} tokens "
         f"(mean {_f(wl.get('short_prompt_tokens_mean'), '.0f')}).",
-        f'- "2K" prompts: {wl.get("long_images")} images (the gateway\'s limit; {wl.get("long_images", 0) * 36} '
+        f'- "2K" prompts: {wl.get("long_images")} images (the gateway\'s limit; {wl.get("long_images", 0) * (wl.get("tokens_per_image") or 0)} '
         f"vision tokens) after a text context of {wl.get('long_filler_words')} task-vocabulary words, question "
         f"last: **{wl.get('long_prompt_tokens')} tokens** each (counted by the model's processor; the servers "
         "report the same in `usage.prompt_tokens`).",
@@ -351,7 +352,7 @@ def _fidelity_section(res: Results) -> list[str]:
         "## 5. Fidelity beside speed",
         "",
         f"Held-out split of the synthetic task, {fid['n']} examples (prompts ~{_f(fid.get('prompt_tokens_mean'), '.0f')} "
-        "tokens), greedy, 8 new tokens, accuracy read from the decoded answer (the deciding word comes after "
+        f"tokens), greedy, {MAX_NEW_TOKENS} new tokens, accuracy read from the decoded answer (the deciding word comes after "
         "the first token, so it is decoded from the compressed cache). vlkv rows: "
         "`vlkv.tools.eval.evaluation.prepare/evaluate` (the prefill worker's compression, the decode worker's "
         "paged decode). kvpress rows: the press's own `compress()` on the same model and examples, decoded "

@@ -248,6 +248,12 @@ def vlkv_command(model: Path, port: int, kv_mb: float, kv_transport: str = "auto
         "1",
         "--kv-transport",
         kv_transport,
+        # the capacity probe parks caches no Decode call claims yet, on purpose: no per-sender cap, and a
+        # lease longer than the probe
+        "--max-unclaimed",
+        "1000000",
+        "--unclaimed-lease-s",
+        "600",
     ]
 
 
@@ -676,6 +682,7 @@ def run_bench(args) -> int:
     res.workload = {
         "long_prompt_tokens": long_m,
         "long_images": plan.images_long,
+        "tokens_per_image": json.loads((speed / "config.json").read_text()).get("image_seq_length"),
         "long_filler_words": wl.filler_words,
         "short_prompt_tokens_min": min(short_ms),
         "short_prompt_tokens_max": max(short_ms),

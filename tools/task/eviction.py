@@ -9,17 +9,20 @@ gave 0.00 on counting and on the comparison, as did keeping every text token and
 
 This stage fine-tunes the model so that the tokens after the first answer token (the ones a compressed
 cache serves, see DESIGN.md "Measuring what compression keeps") see only part of the prompt, drawn at
-random per example and independent of any policy's scores:
+random independently of any policy's scores, and drawn per layer, as every policy chooses per layer:
 
-- with probability ``FULL_SHARE`` nothing is dropped (the model still serves the full cache);
-- otherwise half the examples keep a uniformly random share of their vision tokens (2-50%), and half keep a
-  random share of the shapes' patches (15-100%) and of the background's (0-15%): any eviction that keeps
-  more of the image's content than of its background looks like the second;
+- with probability ``FULL_SHARE`` an example loses nothing in any layer (the model still serves the full
+  cache);
+- otherwise each layer draws one of three patterns for the vision tokens: a uniformly random share kept
+  (2-50%); more of the image's content than of its background (shapes' patches 15-100%, background 0-15%);
+  or focused on one or two of the objects (30-100% of theirs, 0-30% of the other objects', 0-10% of the
+  background's), as a question about one or two shapes would keep;
 - the text before the first image (system prompt, BOS) is dropped token by token with a random rate
-  (0-70%); the question after the image is always seen, as every policy's recent window keeps it.
+  (0-70%) per layer; the question after the image is always seen, as every policy's recent window keeps it.
 
 The prefill itself (every prompt row, and the row that produces the first answer token) keeps full causal
-attention, as a compressed prefill worker computes it.
+attention, as a compressed prefill worker computes it. ``layered_attention`` applies each layer's own mask
+(transformers passes one attention mask to every layer).
 """
 
 from __future__ import annotations

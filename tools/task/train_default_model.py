@@ -79,25 +79,19 @@ DEFAULTS = dict(
     vision_hidden=64,
     vision_layers=2,
     threads=2,
-    align_weight=0.0,
     warmup_scene_steps=1400,
     low_res_steps=0,
     rope_theta=1e6,
     warmup_max_objects=4,
     warmup_ramp_steps=1600,
-    align_steps=0,
     probe_steps=150,
     evict_steps=1400,
     evict_lr=5e-4,
     evict_data_seed=11,
     evict_seed=0,
 )
-EVICT_KIND_WEIGHTS = [
-    0.2,
-    0.25,
-    0.2,
-    0.35,
-]  # per KINDS: counting and the comparison, the slowest to learn, weigh most
+# per KINDS: counting and the comparison, the slowest to learn, weigh most
+EVICT_KIND_WEIGHTS = [0.2, 0.25, 0.2, 0.35]
 
 
 def set_determinism(seed: int, threads: int = 1) -> None:
@@ -155,22 +149,6 @@ def answer_mask(ids: torch.Tensor, assistant_id: int, colon_id: int, eos_id: int
         elif t == colon_id and j > 0 and int(ids[j - 1]) == assistant_id:
             inside = True
     return mask
-
-
-def align_targets(tok, chats: list[tuple[Example, list[dict]]]) -> torch.Tensor:
-    """``[images, tokens, 2]``: per vision token the word ids of its object's colour and shape (-100: none),
-    in the order the batch's images go through the vision tower."""
-    rows = []
-    for ex, _ in chats:
-        for objs in ex.objects:
-            labels = patch_labels(objs)
-            rows.append(
-                [
-                    [-100, -100] if o is None else tok.convert_tokens_to_ids([o.colour, o.shape])
-                    for o in labels
-                ]
-            )
-    return torch.tensor(rows, dtype=torch.long)
 
 
 def collate(processor, chats: list[tuple[Example, list[dict]]]) -> dict[str, torch.Tensor]:
@@ -247,24 +225,6 @@ def batches(
             yield list(pool)
             pool.clear()
             done += 1
-
-
-def align_loss(
-    model, features: torch.Tensor, targets: torch.Tensor, stage1: bool = False, background_id: int = -100
-) -> torch.Tensor:
-    """Feature alignment, as LLaVA's first training stage aligns the projector with the LM's word
-    embeddings: each projected vision token of an object, read against the input word embeddings, names
-    the object's colour and its shape (cross-entropy for each); background tokens name ``background_id``
-    (-100: not scored). ``stage1``: the word embeddings are held fixed (LLaVA's stage 1 freezes the LM)."""
-    emb = model.get_input_embeddings().weight
-    logits = features @ (emb.detach() if stage1 else emb).T  # [images, tokens, vocab]
-    flat = logits.reshape(-1, logits.shape[-1])
-    colour, shape = targets.reshape(-1, 2).unbind(-1)
-    colour = torch.where(colour >= 0, colour, torch.full_like(colour, background_id))
-    if bool((colour >= 0).any()):
-        ce = torch.nn.functional.cross_entropy
-        return ce(flat, colour, ignore_index=-100) + ce(flat, shape, ignore_index=-100)
-    return logits.sum() * 0.0
 
 
 def probe_targets(chats: list[tuple[Example, list[dict]]]) -> torch.Tensor:
@@ -407,19 +367,9 @@ def train(args: argparse.Namespace) -> dict:
         projected.clear()
         if step < args.probe_steps:  # stage 1: vision tower and projector only, with a linear probe head
             model.model.get_image_features(pixel_values=batch["pixel_values"])
-            loss = lm_loss = probe_loss(head, projected[0], probe_targets(chats))
-        elif (
-            step < args.align_steps
-        ):  # stage 1: vision tower and projector only, aligned to the word embeddings
-            model.model.get_image_features(pixel_values=batch["pixel_values"])
-            targets = align_targets(tok, chats)
-            loss = lm_loss = align_loss(
-                model, projected[0], targets, stage1=True, background_id=tok.unk_token_id
-            )
+            loss = probe_loss(head, projected[0], probe_targets(chats))
         else:
-            loss = lm_loss = model(**batch).loss
-        if args.align_weight > 0 and step >= max(args.align_steps, args.probe_steps):
-            loss = loss + args.align_weight * align_loss(model, projected[0], align_targets(tok, chats))
+            loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -427,7 +377,7 @@ def train(args: argparse.Namespace) -> dict:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 25 == 0 or step == args.steps - 1:
             print(
-                f"step {step:5d} loss {loss.item():.4f} answers {lm_loss.item():.4f} ema {ema:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"step {step:5d} loss {loss.item():.4f} ema {ema:.4f} lr {opt.param_groups[0]['lr']:.2e} "
                 f"elapsed {time.time() - t0:7.1f}s",
                 flush=True,
             )
@@ -464,7 +414,6 @@ def train(args: argparse.Namespace) -> dict:
         "lr": args.lr,
         "max_turns": args.max_turns,
         "lookup_only_steps": args.lookup_only_steps,
-        "align_weight": args.align_weight,
         "warmup_scene_steps": args.warmup_scene_steps,
         "low_res_steps": args.low_res_steps,
         "evict_steps": args.evict_steps,

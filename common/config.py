@@ -17,7 +17,7 @@ __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where call
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 KV_TRANSPORTS = ("auto", "grpc", "nixl")
-KV_DTYPES = ("fp16", "int8")  # handoff.quantize.KV_DTYPES
+KV_DTYPES = ("fp16", "int8", "fp8")  # handoff.quantize.KV_DTYPES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -138,8 +138,9 @@ class TransferConfig:
     # bench all --quick`, 2K prompt: 0.40 MiB took 4.5 ms over gRPC vs 14.9 ms over NIXL, 4 MiB 11.8 vs
     # 17.7 ms; `bench kv_wire`, 27 MB: 49 ms vs 40 ms). 0: NIXL for every size.
     nixl_min_bytes: int = 8 << 20
-    # How compact caches travel and are stored: "fp16" (the model's dtype) or "int8" (KIVI scales; the prefill
-    # worker quantizes, the decode pool stores int8). Both workers of a deployment must agree.
+    # How compact caches travel and are stored: "fp16" (the model's dtype), "int8" (KIVI scales) or "fp8"
+    # (E4M3, same scales): the prefill worker quantizes, the decode pool stores the bytes. Both workers of a
+    # deployment must agree.
     kv_dtype: str = "fp16"
     idle_s: float = 10.0  # decode side: a hand-off with no message for this long ends and frees its blocks
     write_window_s: float = 10.0  # NIXL: the sender writes within this; blocks of a broken write wait it out

@@ -6,7 +6,8 @@ manager's job): ``write`` fills a layer's first blocks from an arriving compact 
 sequence's host copy), the model runner appends each step's token in place, and ``read`` gathers a layer
 back (swap-out, tests).
 
-``kv_dtype="int8"`` (``--kv-dtype int8``, see ``common/handoff/quantize.py``): k, v are int8 and every block
+``kv_dtype="int8"`` or ``"fp8"`` (``--kv-dtype``, see ``common/handoff/quantize.py``; an fp8 pool holds E4M3
+bit patterns in the same int8 tensors, so everything below reads "int8" for both): k, v are int8 and every block
 also holds its fp16 scales, ``k_scale`` ``[num_blocks, H_kv, D]`` (the per-channel K scales of the sequence
 layer the block belongs to, repeated in each of its blocks so the kernel reads them per block) and
 ``v_scale`` ``[num_blocks, H_kv, block_size]`` (per token). ``block_bytes`` counts them, so a pool of the same
@@ -28,7 +29,7 @@ def block_bytes_of(
     block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str = "fp16"
 ) -> int:
     """Bytes of one block: K and V, ``num_kv_heads x block_size x head_dim`` each (int8: plus scales)."""
-    if check_kv_dtype(kv_dtype) == "int8":
+    if check_kv_dtype(kv_dtype) != "fp16":
         return num_kv_heads * (2 * block_size * head_dim + SCALE_DTYPE.itemsize * (head_dim + block_size))
     return 2 * num_kv_heads * block_size * head_dim * dtype.itemsize
 
@@ -53,7 +54,7 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.quantized = kv_dtype == "int8"
+        self.quantized = kv_dtype != "fp16"
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         store = torch.int8 if self.quantized else dtype
         self.k = torch.zeros(shape, dtype=store, device=device)

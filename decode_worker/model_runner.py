@@ -47,7 +47,7 @@ class PagedBatch:
         self._rows = torch.arange(tables.shape[0], device=tables.device)
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot (an int8 pool:
+        """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot (an 8-bit pool:
         K quantized with the layer's prefill-time channel scales, clamped; V with its own token scale)."""
         cache = self.cache
         pos = self.lengths[:, layer_idx].long()
@@ -56,8 +56,8 @@ class PagedBatch:
         if cache.quantized:
             k_scale = cache.k_scale[self.tables[:, layer_idx, 0].long()]  # [S, H_kv, D]
             cache.k_scale[blocks] = k_scale  # a block new to the layer takes the layer's scales
-            cache.k[blocks, :, offs] = quantize_k_with(key[:, :, 0], k_scale)
-            qv, v_scale = quantize_v(value[:, :, 0])
+            cache.k[blocks, :, offs] = quantize_k_with(key[:, :, 0], k_scale, cache.kv_dtype)
+            qv, v_scale = quantize_v(value[:, :, 0], cache.kv_dtype)
             cache.v[blocks, :, offs] = qv
             cache.v_scale[blocks, :, offs] = v_scale
             return key, value
@@ -77,6 +77,7 @@ class PagedBatch:
             validate=False,  # ModelRunner.step checked every layer's tables and lengths
             k_scale=self.cache.k_scale,
             v_scale=self.cache.v_scale,
+            kv_format="fp8" if self.cache.kv_dtype == "fp8" else "int8",  # read only by 8-bit pools
             mass_out=None if self.mass is None else self.mass[:, layer_idx],
         )
         return out.unsqueeze(1)

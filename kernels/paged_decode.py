@@ -21,7 +21,10 @@ Two kernels:
 int8 pools (``QUANT``; KIVI scales as in the reference): the split kernel multiplies the G query rows by
 the sequence's per-channel K scales (read once from its first block) and each tile's probabilities by the
 per-token V scales before the ``tl.dot`` with the int8 tile converted to fp32, so the kernel reads one byte
-per K/V element and materializes no dequantized tile.
+per K/V element and materializes no dequantized tile. fp8 pools (``FP8``, same int8 tensors holding E4M3
+bit patterns): each byte is decoded through a 256-entry fp32 table (``fp8_table``) instead of converted;
+a gather from a 1 KiB table runs on every GPU Triton supports and in its interpreter (a native E4M3 cast
+would need sm_89+).
 
 :func:`paged_decode_attention` dispatches to these kernels for CUDA tensors (or ``force_triton=True``,
 which on CPU needs ``TRITON_INTERPRET=1`` set before this module is imported), else to the reference
@@ -35,7 +38,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .paged_decode_reference import check_paged_inputs, check_paged_values, paged_decode_reference
+from .paged_decode_reference import (
+    check_kv_format,
+    check_paged_inputs,
+    check_paged_values,
+    fp8_table,
+    paged_decode_reference,
+)
 
 __all__ = ["paged_decode_attention", "paged_decode_reference"]
 
@@ -48,6 +57,14 @@ def _load_tokens(base, tok_off, offs_d, tok_ok, D, stride_d):
     """``[BLOCK_N, BLOCK_D]`` rows at element offsets ``tok_off`` (zeros for masked tokens / dims)."""
     mask = tok_ok[:, None] & (offs_d[None, :] < D)
     return tl.load(base + tok_off[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+
+
+@triton.jit
+def _bytes_to_f32(x, lut_ptr, FP8: tl.constexpr):
+    """An 8-bit tile in fp32: int8 steps converted, or E4M3 bytes decoded through the table."""
+    if FP8:
+        return tl.load(lut_ptr + (x.to(tl.int32) & 255))
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -76,7 +93,7 @@ def _load_q(
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
-    ks_ptr, vs_ptr,
+    ks_ptr, vs_ptr, lut_ptr,
     scale, D, split_tokens,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -88,6 +105,7 @@ def _split_kernel(
     stride_as, stride_ah, stride_ap, stride_ad,
     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -118,7 +136,10 @@ def _split_kernel(
         slot = offs_n % PAGE
         k = _load_tokens(k_base, block * stride_kb + slot * stride_kt, offs_d, tok_ok, D, stride_kd)
         v = _load_tokens(v_base, block * stride_vb + slot * stride_vt, offs_d, tok_ok, D, stride_vd)
-        if UPCAST or QUANT:
+        if QUANT:
+            k = _bytes_to_f32(k, lut_ptr, FP8)
+            v = _bytes_to_f32(v, lut_ptr, FP8)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -184,7 +205,7 @@ def _combine_kernel(
 
 @triton.jit
 def _mass_kernel(
-    q_ptr, k_ptr, tables_ptr, lengths_ptr, m_ptr, l_ptr, ks_ptr, mass_ptr,
+    q_ptr, k_ptr, tables_ptr, lengths_ptr, m_ptr, l_ptr, ks_ptr, mass_ptr, lut_ptr,
     scale, D, split_tokens,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -194,6 +215,7 @@ def _mass_kernel(
     stride_ws, stride_wh, stride_wt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """Per-token attention mass of one KV head's G query heads over one split: ``exp(s - M) / L`` with
     the global max M and sum-exp L of each head (from the split kernel's partials), summed over the G
@@ -222,7 +244,9 @@ def _mass_kernel(
         block = tl.load(table + (offs_n // PAGE) * stride_tb, mask=tok_ok, other=0).to(tl.int64)
         slot = offs_n % PAGE
         k = _load_tokens(k_base, block * stride_kb + slot * stride_kt, offs_d, tok_ok, D, stride_kd)
-        if UPCAST or QUANT:
+        if QUANT:
+            k = _bytes_to_f32(k, lut_ptr, FP8)
+        elif UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         p = tl.exp(s - m_g[:, None]) * inv_l[:, None]
@@ -240,6 +264,16 @@ def _check_triton_device(t: Tensor, kernel) -> None:
         raise RuntimeError(
             "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before vlkv.kernels is imported"
         )
+
+
+_LUTS: dict[torch.device, Tensor] = {}
+
+
+def _fp8_lut(device: torch.device) -> Tensor:
+    """The E4M3 decoding table on ``device``, built once per device."""
+    if device not in _LUTS:
+        _LUTS[device] = fp8_table(device)
+    return _LUTS[device]
 
 
 def _default_splits(n_tiles: int, n_seq: int, n_kv: int, device: torch.device) -> int:
@@ -265,6 +299,7 @@ def paged_decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     mass_out: Tensor | None = None,
+    kv_format: str = "int8",
 ) -> Tensor:
     """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
 
@@ -273,7 +308,8 @@ def paged_decode_attention(
     ``max_length``: an upper bound of ``lengths`` (else read from the device, a sync).
     ``num_splits``: splits per sequence (else sized to the device). ``block_n``: tokens per tile.
     ``validate``: check lengths and the needed block ids (a device sync; off in a hot loop).
-    ``k_scale``, ``v_scale``: an int8 pool's scales; ``mass_out`` ``[S, >= max_length]`` fp32: each token's
+    ``k_scale``, ``v_scale``: an 8-bit pool's scales, ``kv_format`` what its bytes encode (``int8`` steps
+    or ``fp8`` E4M3 patterns); ``mass_out`` ``[S, >= max_length]`` fp32: each token's
     attention probability summed over all query heads is added in place (``_mass_kernel``).
     """
     n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(
@@ -286,7 +322,7 @@ def paged_decode_attention(
             raise ValueError("out= is only supported on the Triton path")
         return paged_decode_reference(
             q, k_pool, v_pool, block_tables, lengths, scale=scale, validate=False,
-            k_scale=k_scale, v_scale=v_scale, mass_out=mass_out,
+            k_scale=k_scale, v_scale=v_scale, mass_out=mass_out, kv_format=kv_format,
         )  # fmt: skip
     _check_triton_device(q, _split_kernel)
     if block_n < 16 or block_n & (block_n - 1):
@@ -318,6 +354,8 @@ def paged_decode_attention(
         for t in (m_part, l_part, acc_part):
             t.fill_(float("nan"))
     quant = k_scale is not None
+    fp8 = quant and check_kv_format(kv_format) == "fp8"
+    lut = _fp8_lut(q.device) if fp8 else m_part  # unread unless fp8
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     block_d = max(16, triton.next_power_of_2(dim))
     m_strides = m_part.stride()
@@ -325,13 +363,13 @@ def paged_decode_attention(
     ks, vs = (k_scale, v_scale) if quant else (m_part, m_part)  # unread when not quantized
     fp32 = q.dtype == torch.float32 or upcast or (quant and not q.is_cuda)
     _split_kernel[(n_seq, n_kv, splits)](
-        q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part, ks, vs,
+        q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part, ks, vs, lut,
         scale, dim, split_tokens,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *ks.stride(), *vs.stride(),
         *block_tables.stride(), *m_strides, *a_strides,
         GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
         BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant,
+        PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8,
     )  # fmt: skip
     _combine_kernel[(n_seq, n_heads)](
         m_part, l_part, acc_part, out, splits, dim, *m_strides, *a_strides, *out.stride(),
@@ -344,13 +382,13 @@ def paged_decode_attention(
         l_glob = (l_part * torch.exp(m_part - m_glob[..., None])).sum(dim=2)
         per_head = q.new_zeros((n_seq, n_kv, max_length), dtype=torch.float32)
         _mass_kernel[(n_seq, n_kv, splits)](
-            q, k_pool, block_tables, lengths, m_glob, l_glob, ks, per_head,
+            q, k_pool, block_tables, lengths, m_glob, l_glob, ks, per_head, lut,
             scale, dim, split_tokens,
             *q.stride(), *k_pool.stride(), *ks.stride(), *block_tables.stride(), *m_glob.stride(),
             *per_head.stride(),
             GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
             BLOCK_N=block_n, BLOCK_D=block_d,
-            PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant,
+            PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8,
         )  # fmt: skip
         mass_out[:, :max_length] += per_head.sum(dim=1)
     return out

@@ -16,6 +16,10 @@ int8 pools (``--kv-dtype int8``, KIVI): ``k_pool``/``v_pool`` are int8 and come 
 ``q . (k * ks) = (q * ks) . k`` with the scales of the sequence's first block, and ``p @ (v * vs) =
 (p * vs) @ v``, so no dequantized K/V tile is ever materialized.
 
+fp8 pools (``--kv-dtype fp8``, ``kv_format="fp8"``): the same int8 tensors and scales, each byte an OCP FP8
+E4M3 bit pattern instead of an integer step; the gathered bytes are decoded to fp32 (``fp8_values``)
+where an int8 pool's are converted.
+
 ``mass_out`` ``[S, T]`` fp32 (T >= max_blocks * P): each sequence's attention probabilities, summed over
 all query heads, are added at their token index (decode-phase re-compression accumulates them).
 """
@@ -28,7 +32,22 @@ import threading
 import torch
 from torch import Tensor
 
-__all__ = ["check_paged_inputs", "check_paged_values", "paged_decode_reference"]
+__all__ = ["check_paged_inputs", "check_paged_values", "fp8_table", "paged_decode_reference"]
+
+KV_FORMATS = ("int8", "fp8")
+
+
+def fp8_table(device: torch.device | str = "cpu") -> Tensor:
+    """``[256]`` fp32: the value of each E4M3 byte, indexed by the byte read as unsigned (what the Triton
+    kernel gathers from; the two NaN patterns are never written by the quantizer, which clamps)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+
+
+def check_kv_format(kv_format: str) -> str:
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    return kv_format
+
 
 # Upper bound on the fp32 K + V gathered at once by the reference (256 MiB).
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -142,13 +161,16 @@ def paged_decode_reference(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     mass_out: Tensor | None = None,
+    kv_format: str = "int8",
 ) -> Tensor:
     """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
 
     Sequences are processed longest first in chunks whose gathered K + V stay under ``chunk_bytes``
     (fp32 compute; the gather buffers are kept per thread and reused); each chunk is padded only to
-    its own longest sequence. ``k_scale``/``v_scale``: an int8 pool's scales; ``mass_out``: see the module.
+    its own longest sequence. ``k_scale``/``v_scale``: an 8-bit pool's scales, ``kv_format`` what its
+    bytes encode (``int8`` or ``fp8``); ``mass_out``: see the module.
     """
+    fp8 = check_kv_format(kv_format) == "fp8" and k_scale is not None
     n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(
         q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale
     )
@@ -175,7 +197,10 @@ def paged_decode_reference(
         pad = torch.arange(n_tok, device=q.device) >= ln[:, None]  # [c, n_tok]
         table.masked_fill_(pad[:, ::page], 0)  # blocks no token of the sequence needs
         kk, vv = _gather(k_pool, table, "k"), _gather(v_pool, table, "v")
-        if kk.dtype != torch.float32:
+        if fp8:
+            kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk.view(torch.float8_e4m3fn))
+            vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv.view(torch.float8_e4m3fn))
+        elif kk.dtype != torch.float32:
             kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk)
             vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv)
         # K @ q^T and p^T @ V (transposed views): faster than q @ K^T for the few rows of a GQA group.

@@ -119,11 +119,12 @@ def kernels():
     yield from kernel_module("vlkv.kernels.paged_decode", "_split_kernel")
 
 
-def int8_case(lengths, n_heads, n_kv, dim, page, seed=0):
-    """An int8 pool holding each sequence's quantized cache, its float original, a table and queries."""
+def int8_case(lengths, n_heads, n_kv, dim, page, seed=0, kv_dtype="int8"):
+    """An 8-bit pool (int8, or fp8 E4M3) holding each sequence's quantized cache, its float original, a
+    table and queries."""
     g = torch.Generator().manual_seed(seed)
     n_blocks = sum(math.ceil(n / page) for n in lengths) + 3
-    cache = KVCache(n_blocks, page, n_kv, dim, torch.float32, kv_dtype="int8")
+    cache = KVCache(n_blocks, page, n_kv, dim, torch.float32, kv_dtype=kv_dtype)
     order = torch.randperm(n_blocks, generator=g).tolist()
     width = max(math.ceil(n / page) for n in lengths)
     table = torch.full((len(lengths), width), -1, dtype=torch.int32)
@@ -133,7 +134,7 @@ def int8_case(lengths, n_heads, n_kv, dim, page, seed=0):
         table[s, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         k = torch.randn(n_kv, n, dim, generator=g) * torch.linspace(0.2, 3, dim)
         v = torch.randn(n_kv, n, dim, generator=g)
-        (qk, sk), (qv, sv) = quantize_k(k), quantize_v(v)
+        (qk, sk), (qv, sv) = quantize_k(k, kv_dtype), quantize_v(v, kv_dtype)
         cache.write(ids, qk, qv, sk, sv)
         originals.append((k, v))
     q = torch.randn(len(lengths), n_heads, dim, generator=g)

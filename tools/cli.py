@@ -125,10 +125,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=["fp16", "int8"],
+        choices=["fp16", "int8", "fp8"],
         default="fp16",
-        help="how compact caches travel and are stored: fp16 (the model's dtype) or int8 (KIVI: per-channel "
-        "K and per-token V scales; about half the bytes, twice the sequences per pool)",
+        help="how compact caches travel and are stored: fp16 (the model's dtype), int8 (KIVI: per-channel "
+        "K and per-token V scales; about half the bytes, twice the sequences per pool) or fp8 (E4M3 with "
+        "the same scales and bytes)",
     )
     p.add_argument(
         "--decode-budget",
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budgets; compare with the in-process answers -> api_check.md",
     )
     p.add_argument(
-        "--kv-dtype", choices=["fp16", "int8"], default="fp16", help="how the decoded cache is stored"
+        "--kv-dtype", choices=["fp16", "int8", "fp8"], default="fp16", help="how the decoded cache is stored"
     )
     p.add_argument(
         "--decode-budget", type=float, default=0.0, help="decode-phase re-compression (0: off), as in serve"
@@ -531,9 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-table",
         action="store_true",
-        help="only the KV storage table: --policy/--budget in fp16 vs --kv-dtype int8, and long answers "
-        "(>= 64 tokens) with decode re-compression off vs on -> kv.md (--table with --kv-dtype or "
-        "--decode-budget adds it after the sweep)",
+        help="only the KV storage table: --policy/--budget in fp16 vs --kv-dtype int8, and the task's long "
+        "kind (69-token answers, the deciding word 67th) with decode re-compression off vs on -> kv.md "
+        "(--table with --kv-dtype or --decode-budget adds it after the sweep)",
     )
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")

@@ -14,7 +14,7 @@ Status codes (``KVWireError.code``):
   (``feed_wire``), trailer totals that disagree with what arrived, bytes missing at the trailer, a
   stream that ends (``finish()``) before its trailer.
 - FAILED_PRECONDITION: a sane header whose fingerprint, layout or dtype is not this worker's model, or
-  whose ``kv_dtype`` (fp16 / int8) is not the one this worker's pool stores.
+  whose ``kv_dtype`` (fp16 / int8 / fp8) is not the one this worker's pool stores.
 - CANCELLED: ``abort()`` by the caller (stored so later calls re-raise it).
 
 Chunks of one tensor must arrive in order (offset == bytes already received); different tensors and
@@ -72,7 +72,7 @@ def validate_header(
         raise bad(f"{header.ByteSize()} bytes > limit {max_header_bytes}")
     if header.dtype not in DTYPES:
         raise bad(f"unknown dtype {header.dtype!r}")
-    if header.kv_dtype not in ("", "int8"):
+    if header.kv_dtype not in ("", "int8", "fp8"):
         raise bad(f"unknown kv_dtype {header.kv_dtype!r}")
     if not 0 < header.num_layers <= max_header_layers:
         raise bad(f"num_layers {header.num_layers} outside [1, {max_header_layers}]")
@@ -331,7 +331,10 @@ class KVAssembler:
         scales = {}
         if h.kv_dtype:
             scales = dict(
-                k_scales=[t[2] for t in layers], v_scales=[t[3] for t in layers], source_dtype=DTYPES[h.dtype]
+                k_scales=[t[2] for t in layers],
+                v_scales=[t[3] for t in layers],
+                source_dtype=DTYPES[h.dtype],
+                qformat=h.kv_dtype,
             )
         ckv = CompactKV(keys, values, prompt_length=h.prompt_length, first_token=h.first_token_id, **scales)
         return h, ckv

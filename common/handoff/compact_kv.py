@@ -23,6 +23,8 @@ class CompactKV:
     k_scales, v_scales: set for an int8 cache (``quantize.quantize_compact``): per layer ``[H_kv, D]``
     (per-channel K scales) and ``[H_kv, k_l]`` (per-token V scales), fp16; keys/values are then int8.
     source_dtype: the dtype an int8 cache was quantized from (None when unknown or not quantized).
+    qformat: what the bytes of a quantized cache encode: ``int8`` steps or ``fp8`` E4M3 bit patterns
+    (``quantize.py``); both are stored as ``torch.int8``.
     """
 
     keys: list[torch.Tensor]
@@ -33,6 +35,7 @@ class CompactKV:
     k_scales: list[torch.Tensor] | None = field(default=None, repr=False)
     v_scales: list[torch.Tensor] | None = field(default=None, repr=False)
     source_dtype: torch.dtype | None = None
+    qformat: str = "int8"
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values) or not self.keys:
@@ -51,6 +54,8 @@ class CompactKV:
             ref.dtype == torch.int8
         ):
             raise ValueError("an int8 cache needs k_scales and v_scales, a floating-point one neither")
+        if self.qformat not in ("int8", "fp8"):
+            raise ValueError(f"qformat must be int8 or fp8, got {self.qformat!r}")
         if self.k_scales is not None:
             for k, ks, vs in zip(self.keys, self.k_scales, self.v_scales, strict=True):
                 if ks.shape != (k.shape[0], k.shape[2]) or vs.shape != k.shape[:2]:
@@ -64,8 +69,8 @@ class CompactKV:
 
     @property
     def kv_dtype(self) -> str:
-        """``int8`` or ``fp16`` (not quantized: the model's dtype), as ``--kv-dtype`` names them."""
-        return "int8" if self.quantized else "fp16"
+        """``int8``, ``fp8`` or ``fp16`` (not quantized: the model's dtype), as ``--kv-dtype`` names them."""
+        return self.qformat if self.quantized else "fp16"
 
     @property
     def num_layers(self) -> int:

@@ -237,7 +237,7 @@ def throughput(layers: int, batch: int, reps: int) -> list[dict]:
     model = build_model(layers)
     lengths = uneven_lengths(PROMPT, BUDGET, LAYOUT_7B.layers)[:layers]
     bw = read_bandwidth()
-    sides = {d: _side(model, d, lengths, batch, reps + 1) for d in ("fp16", "int8")}
+    sides = {d: _side(model, d, lengths, batch, reps + 1) for d in ("fp16", "int8", "fp8")}
     times: dict[str, list[float]] = {d: [] for d in sides}
     attn: dict[str, list[float]] = {d: [] for d in sides}
     timer = _AttentionTimer()
@@ -315,7 +315,7 @@ def report(rows: list[CapacityRow], wire: dict, speed: list[dict], pool_bytes: i
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in speed:
-            name = "int8" if r["kv_dtype"] == "int8" else "model dtype (fp32)"
+            name = r["kv_dtype"] if r["kv_dtype"] != "fp16" else "model dtype (fp32)"
             md.append(
                 f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {r['weight_bytes'] / 2**20:.0f} MiB "
                 f"| {r['kv_bytes'] / 2**20:.1f} MiB | {r['bound_tokens_per_s']:.1f} | "

@@ -6,7 +6,7 @@ holds 1-4 shapes (square, circle, triangle, cross) in 5 colours; each shape cove
 patches (36 of the 576 vision tokens) at a random patch-aligned place. A shape is drawn as its silhouette
 with a light outline and filled with its own texture (stripes one way or the other, a checker, plain), so
 every patch of a shape shows which shape it belongs to as well as its colour. Within one image shapes are
-pairwise distinct; colours too, except that ``compare_colours`` scenes may repeat one on purpose.
+pairwise distinct; colours too, except that ``colour_of_two_shapes`` scenes may repeat one on purpose.
 
 Questions are keyed to *content* (a shape), never to grid position, and come after the image(s). The answer
 is a short phrase whose deciding words are never the first generated token (that one comes from the prefill
@@ -18,18 +18,26 @@ Kinds (``KINDS``):
 - ``count``                1 image:  "how many shapes are there ?"  -> "there are three ." / "there is one ."
 - ``colour_of_shape_2img`` 2 images: "what colour is the triangle ?" -> "the triangle green ."
   (the only triangle in the two images; the other image may repeat its colour)
-- ``compare_colours``      1 image, two regions: "do the square and the circle match ?" ->
-  "the square red , the circle red , so same ." (half the scenes give the two shapes one colour). The
-  verdict, the last deciding word, depends on two separate regions of the image.
+- ``colour_of_two_shapes`` 1 image, two regions: "what colour are the square and the circle ?" ->
+  "the square red , the circle blue ." (half the scenes give the two shapes one colour). The answer depends
+  on two separate regions of the image, and the second deciding word is the 7th generated token.
+- ``colour_of_shape_long`` (``LONG_KIND``, not in the main mix: ``vlkv eval --kv-table``'s long answers)
+  1 image: "look at the image and answer the question : what colour is the square ?" -> a 68-word answer
+  that walks through the question (naming the square four times) and ends "so the square red ." The one
+  deciding word is the 67th generated token, after 66 tokens of the sequence's own text: what decode-phase
+  re-compression keeps of the image while those are generated decides it.
 
-Scoring (``is_correct``): the colour, number and verdict words of the generated text, in order, must equal
-those of the reference answer (shape words are keys the answer repeats and are not scored).
+Scoring (``is_correct``): the colour and number words of the generated text, in order, must equal those of
+the reference answer (shape words are keys the answer repeats and are not scored; the vocabulary's unused
+verdict words count, so a stray one is wrong).
 
 Why these choices (what trains from scratch on a 2-core CPU within the budget):
 
 - the answer repeats the key right before the deciding word, so each look-up happens at the key token
-  itself (one hop); the comparison is written out (both colours, then the verdict), so it needs two such
-  look-ups and a comparison of two text tokens, never a two-hop look-up inside the image;
+  itself (one hop); the two-region kind needs two such look-ups, never a two-hop look-up inside the image;
+- no same/different verdict: a comparison of the two written colours did not train (the first 576-token
+  model read both colours right and got the verdict right 0.69 of the time; trained on the text alone, the
+  verdict's loss stayed at chance for 600 steps), so the two-region kind states both colours;
 - textures carry the shape in every patch of it; a silhouette alone needs the vision tower to combine
   neighbouring patches, which did not train within the budget at 36 tokens per image already;
 - shapes have one size, so the share of non-background tokens counts them;
@@ -80,7 +88,7 @@ FULL = Geometry(IMAGE_SIZE, PATCH_SIZE, SPAN)
 # texture period) on an 8x8 grid, shapes 2x2 patches: 64 vision tokens per image, so prompts are short while
 # the copy and look-up circuits form, and the vision tower runs with interpolated position embeddings.
 LOW = Geometry(8 * PATCH_SIZE, PATCH_SIZE, 2)
-MAX_NEW_TOKENS = 12  # the longest answer ("the square red , the circle red , so same .") is 11 words + eos
+MAX_NEW_TOKENS = 12  # the longest short answer ("the square red , the circle red .") is 8 words + eos
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -93,13 +101,17 @@ SHAPES = ["square", "circle", "triangle", "cross"]
 TEXTURES = {"square": "hstripes", "circle": "plain", "triangle": "vstripes", "cross": "checker"}
 TEXTURE_PERIOD = 7  # pixels: two periods per patch, so every patch of a shape shows its texture
 NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four"}
-VERDICTS = ("same", "different")
+VERDICTS = ("same", "different")  # in the vocabulary (the tokenizer's ids stay put); no answer uses them
 BACKGROUND = (30, 30, 30)
 OUTLINE = (255, 255, 255)
 OUTLINE_WIDTH = 2
 
-KINDS = ["colour_of_shape", "count", "colour_of_shape_2img", "compare_colours"]
-KIND_WEIGHTS = [0.3, 0.15, 0.3, 0.25]
+LONG_KIND = "colour_of_shape_long"
+# the long kind weighs 0 in the main mix (the evaluation table's examples and training's stages 1-5 never
+# draw it: a trailing zero weight leaves ``random.choices`` picking exactly as before)
+KINDS = ["colour_of_shape", "count", "colour_of_shape_2img", "colour_of_two_shapes", LONG_KIND]
+KIND_WEIGHTS = [0.3, 0.15, 0.3, 0.25, 0.0]
+LONG_MAX_NEW_TOKENS = 72  # the long answer is 68 words + eos
 
 SYSTEM_PROMPT = (
     "you are a careful visual assistant . look at the image and answer the question in one short sentence ."
@@ -129,7 +141,7 @@ class QA:
     question: str
     answer: str
     target: str  # the last deciding word
-    category: str  # "colour" | "number" | "verdict"
+    category: str  # "colour" | "number"
 
 
 @dataclass
@@ -138,7 +150,7 @@ class Example:
     question: str  # text after the image(s)
     answer: str  # full target answer, e.g. "the square blue ."
     target: str  # the last deciding word, e.g. "blue"
-    category: str  # "colour" | "number" | "verdict"
+    category: str  # "colour" | "number"
     kind: str
     objects: list[list[Obj]] = field(default_factory=list)  # per image
     focus: list[tuple[int, Obj]] = field(default_factory=list)  # (image, object) the answer reads
@@ -165,14 +177,34 @@ def qa_count(n: int) -> QA:
     return QA("count", "how many shapes are there ?", f"there {verb} {NUMBERS[n]} .", NUMBERS[n], "number")
 
 
-def qa_compare(a: Obj, b: Obj) -> QA:
-    verdict = "same" if a.colour == b.colour else "different"
+def qa_two_shapes(a: Obj, b: Obj) -> QA:
     return QA(
-        "compare_colours",
-        f"do the {a.shape} and the {b.shape} match ?",
-        f"the {a.shape} {a.colour} , the {b.shape} {b.colour} , so {verdict} .",
-        verdict,
-        "verdict",
+        "colour_of_two_shapes",
+        f"what colour are the {a.shape} and the {b.shape} ?",
+        f"the {a.shape} {a.colour} , the {b.shape} {b.colour} .",
+        b.colour,
+        "colour",
+    )
+
+
+def long_answer(shape: str, colour: str) -> str:
+    """The long kind's answer: 66 words of the model's own text about the question, then the colour."""
+    s = shape
+    return (
+        f"you look at the image . you look at the {s} in the image . the {s} is there in the image . "
+        f"you look at the shape . you look at the colour . what colour is the {s} ? you answer the question . "
+        f"a careful visual assistant look at the {s} and answer the question in a short sentence . "
+        f"so the {s} {colour} ."
+    )
+
+
+def qa_colour_long(obj: Obj) -> QA:
+    return QA(
+        LONG_KIND,
+        f"look at the image and answer the question : what colour is the {obj.shape} ?",
+        long_answer(obj.shape, obj.colour),
+        obj.colour,
+        "colour",
     )
 
 
@@ -185,7 +217,7 @@ def scene_questions(objects: list[list[Obj]]) -> list[QA]:
     out = [qa_colour_of_shape(o, two) for o in unique]
     if not two:
         out.append(qa_count(len(flat)))
-        out += [qa_compare(a, b) for a in unique for b in unique if a is not b]
+        out += [qa_two_shapes(a, b) for a in unique for b in unique if a is not b]
     return out
 
 
@@ -328,7 +360,7 @@ def _scene(
 
 
 def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = FULL) -> Example:
-    if kind in ("colour_of_shape", "count"):
+    if kind in ("colour_of_shape", "count", LONG_KIND):
         # one-shape scenes are part of the mix: they teach the colour read-out that the keyed look-up in
         # busier scenes builds on
         objs = _scene(rng, rng.randint(1, max_objects), g=g)
@@ -337,7 +369,7 @@ def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = 
             qa, focus = qa_count(len(objs)), [(0, o) for o in objs]
         else:
             t = rng.choice(objs)
-            qa, focus = qa_colour_of_shape(t), [(0, t)]
+            qa, focus = (qa_colour_long(t) if kind == LONG_KIND else qa_colour_of_shape(t)), [(0, t)]
     elif kind == "colour_of_shape_2img":
         target = Obj(rng.choice(SHAPES), rng.choice(list(COLOURS)), (0, 0))
         n_with, n_other = rng.randint(1, 3), rng.randint(1, 3)
@@ -351,7 +383,7 @@ def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = 
         scenes = [with_target, other] if first else [other, with_target]
         t = next(o for o in with_target if o.shape == target.shape)
         qa, focus = qa_colour_of_shape(t, True), [(0 if first else 1, t)]
-    elif kind == "compare_colours":
+    elif kind == "colour_of_two_shapes":
         n = rng.randint(2, 4)
         shapes = rng.sample(SHAPES, n)
         colours = rng.sample(list(COLOURS), n)
@@ -363,7 +395,7 @@ def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = 
         if rng.randrange(2) == 0:
             a, b = b, a
         scenes = [objs]
-        qa, focus = qa_compare(a, b), [(0, a), (0, b)]
+        qa, focus = qa_two_shapes(a, b), [(0, a), (0, b)]
     else:
         raise ValueError(f"unknown kind {kind!r}")
     images = [render_image(objs, rng, g) for objs in scenes]
@@ -406,7 +438,7 @@ _WORD_RE = re.compile(r"[a-z]+")
 
 
 def deciding_words(text: str) -> list[str]:
-    """The colour, number and verdict words of ``text``, in order."""
+    """The deciding words (colours, numbers, the unused verdicts) of ``text``, in order."""
     return [w for w in _WORD_RE.findall(text.lower()) if w in DECIDING_WORDS]
 
 

@@ -12,10 +12,11 @@ Deterministic (fixed seeds, deterministic algorithms), CPU only, from random ini
    one shape teaches the colour read-out, two the look-up keyed by the shape.
 3. ``--lookup-only-steps`` (to step 1700): both colour-of-shape kinds (one and two images).
 4. The full mix (counting and the comparison join) to ``--steps`` (2400).
-5. ``--evict-steps`` (1,400, fresh AdamW at ``--evict-lr``, its own data stream, the comparison weighted up):
-   eviction-robust fine-tuning (``eviction.py``): the answer's tokens after the first see a random part of
-   the prompt, so the model does not lean on every background patch, as a pretrained LLM leans on its
-   attention sink instead. ``--init-from DIR`` starts this stage from a saved model of stages 1-4.
+5. ``--evict-steps`` (1,400, fresh AdamW at ``--evict-lr``, its own data stream, counting and the two-region
+   kind weighted up, the long kind joining, ``EVICT_KIND_WEIGHTS``): eviction-robust fine-tuning
+   (``eviction.py``): the answer's tokens after the first see a random part of the prompt, so the model does
+   not lean on every background patch, as a pretrained LLM leans on its attention sink instead. The long
+   kind's 66 words of fixed text before its colour learn here (about 5,600 examples). ``--init-from DIR`` starts this stage from a saved model of stages 1-4.
 
 The loss is next-token cross-entropy on the answer tokens (and the closing eos) only. The decoder's RoPE base
 is 1e6 (as Mistral-7B-v0.2): content look-ups over 600-1,200 tokens keep more position-independent
@@ -45,6 +46,8 @@ from vlkv.tools.task.synthetic_task import (
     IMAGE_SIZE,
     KIND_WEIGHTS,
     KINDS,
+    LONG_KIND,
+    LONG_MAX_NEW_TOKENS,
     LOW,
     MAX_NEW_TOKENS,
     PATCH_SIZE,
@@ -72,6 +75,7 @@ DEFAULTS = dict(
     data_seed=0,
     eval_n=300,
     eval_seed=0,
+    long_eval_n=100,
     layers=4,
     hidden=128,
     heads=4,
@@ -90,8 +94,8 @@ DEFAULTS = dict(
     evict_data_seed=11,
     evict_seed=0,
 )
-# per KINDS: counting and the comparison, the slowest to learn, weigh most
-EVICT_KIND_WEIGHTS = [0.2, 0.25, 0.2, 0.35]
+# per KINDS: counting and the two-region kind, the slowest to learn, weigh most; the long kind joins here
+EVICT_KIND_WEIGHTS = [0.15, 0.2, 0.15, 0.25, 0.25]
 
 
 def set_determinism(seed: int, threads: int = 1) -> None:
@@ -262,9 +266,11 @@ def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
 
 
 def evict_stage(model, processor, args: argparse.Namespace) -> None:
-    """Stage 5: eviction-robust fine-tuning (``eviction.py``), deterministic from ``--evict-seed``."""
+    """Stage 5: eviction-robust fine-tuning (``eviction.py``), the long kind in the mix, deterministic from
+    ``--evict-seed``."""
     torch.manual_seed(args.evict_seed)
     rng = random.Random(args.evict_seed)
+    steps = args.evict_steps
     opt = torch.optim.AdamW(model.parameters(), lr=args.evict_lr, betas=(0.9, 0.98), weight_decay=0.01)
     stream = batches(args.evict_data_seed, args.batch_size, 1, mix_weights=EVICT_KIND_WEIGHTS)
     image_token_id = model.config.image_token_id
@@ -272,9 +278,9 @@ def evict_stage(model, processor, args: argparse.Namespace) -> None:
     use_layered_attention(model)
     model.train()
     t0 = time.time()
-    for step in progress(range(args.evict_steps), desc="train: eviction stage", unit="step"):
+    for step in progress(range(steps), desc="train: eviction stage", unit="step"):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.evict_steps, args.evict_lr, 20)
+            g["lr"] = lr_at(step, steps, args.evict_lr, 20)
         chats = next(stream)
         batch = collate(processor, chats)
         masks = eviction_masks(
@@ -293,8 +299,11 @@ def evict_stage(model, processor, args: argparse.Namespace) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 25 == 0 or step == args.evict_steps - 1:
-            print(f"evict step {step:5d} loss {loss.item():.4f} elapsed {time.time() - t0:7.1f}s", flush=True)
+        if step % 25 == 0 or step == steps - 1:
+            print(
+                f"evict step {step:5d} loss {loss.item():.4f} elapsed {time.time() - t0:7.1f}s",
+                flush=True,
+            )
     model.set_attn_implementation({"text_config": "sdpa"})
     model.eval()
 
@@ -400,6 +409,13 @@ def train(args: argparse.Namespace) -> dict:
     acc, per_kind = evaluate(model, processor, make_examples(args.eval_n, args.eval_seed, "heldout"))
     eval_time = time.time() - t1
     print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_time:.1f}s): {per_kind}", flush=True)
+    long_examples = [
+        make_example(i, args.eval_seed, "heldout", kind=LONG_KIND) for i in range(args.long_eval_n)
+    ]
+    long_acc, _ = (
+        evaluate(model, processor, long_examples, LONG_MAX_NEW_TOKENS) if long_examples else (0.0, {})
+    )
+    print(f"held-out accuracy of the long kind {long_acc:.4f} on {args.long_eval_n}", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -419,7 +435,7 @@ def train(args: argparse.Namespace) -> dict:
         "evict_steps": args.evict_steps,
         "evict_lr": args.evict_lr,
         "init_from": args.init_from or None,
-        "stages_1_4_seconds": _prior_seconds(args.init_from) if args.init_from else None,
+        "prior_stages_seconds": _prior_seconds(args.init_from) if args.init_from else None,
         "threads": args.threads,
         "params": n_params,
         "size_bytes": size,
@@ -438,6 +454,7 @@ def train(args: argparse.Namespace) -> dict:
         "heldout_n": args.eval_n,
         "heldout_seed": args.eval_seed,
         "heldout_per_kind": {k: round(v, 4) for k, v in per_kind.items()},
+        "heldout_long": {"kind": LONG_KIND, "n": args.long_eval_n, "accuracy": round(long_acc, 4)},
         "max_new_tokens": MAX_NEW_TOKENS,
         "torch": torch.__version__,
     }
@@ -447,20 +464,25 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _prior_seconds(model_dir: str) -> float | None:
-    """The training time recorded in a saved model's TRAINING.md (its JSON block), if there is one."""
+    """The training time recorded in a saved model's TRAINING.md (its JSON block; the stages before it
+    included), if there is one."""
     path = Path(model_dir) / "TRAINING.md"
     if not path.exists():
         return None
     text = path.read_text()
     start, end = text.find("```json"), text.rfind("```")
     try:
-        return float(json.loads(text[start + len("```json") : end])["train_seconds"])
+        rec = json.loads(text[start + len("```json") : end])
+        prior = rec.get("prior_stages_seconds") or rec.get("stages_1_4_seconds") or 0.0
+        return float(rec["train_seconds"]) + float(prior)
     except (ValueError, KeyError):
         return None
 
 
 def write_training_md(path: Path, rec: dict) -> None:
-    total = rec["train_seconds"] + (rec.get("stages_1_4_seconds") or 0.0)
+    prior = rec.get("prior_stages_seconds") or 0.0
+    total = rec["train_seconds"] + prior
+    long = rec["heldout_long"]
     per_kind = "\n".join(f"| {k} | {v:.4f} |" for k, v in rec["heldout_per_kind"].items())
     lines = [
         "# Default model: a small LLaVA at LLaVA-1.5's geometry, trained on the synthetic task",
@@ -470,13 +492,13 @@ def write_training_md(path: Path, rec: dict) -> None:
         "deterministically (fixed seeds and data order; bit-exact for the same `--threads`).",
         "",
         f"- command: `{rec['command']}`",
-        f"- training time: {total:.0f} s ({total / 60:.1f} min) for {rec['steps']} "
+        f"- training time: {total:.0f} s ({total / 60:.1f} min) for {rec['steps'] or DEFAULTS['steps']} "
         f"steps of batch {rec['batch_size']} (stages 1-4) and {rec['evict_steps']} eviction-robust steps "
         f"(stage 5), {rec['threads']} thread(s)",
         *(
             [
                 f"- stage 5 started from `{rec['init_from']}` (stages 1-4 saved by the same command with",
-                f"  `--evict-steps 0`, {rec.get('stages_1_4_seconds') or 0:.0f} s); without `--init-from` the "
+                f"  `--evict-steps 0`, {prior:.0f} s); without `--init-from` the "
                 "command runs all five stages in one go",
             ]
             if rec.get("init_from")
@@ -502,6 +524,10 @@ def write_training_md(path: Path, rec: dict) -> None:
         "| kind | accuracy |",
         "| --- | --- |",
         per_kind,
+        "",
+        f"The long kind (`{long['kind']}`, not in the mix above: 69-token answers whose one deciding word is the "
+        f"67th token; `vlkv eval --kv-table`), max_new_tokens={LONG_MAX_NEW_TOKENS}, n={long['n']}: "
+        f"**{long['accuracy']:.4f}**",
         "",
         "Reproduce the accuracy with `vlkv.tools.task.synthetic_task.evaluate_full_cache(dir, n, seed)`; the",
         "compressed accuracy with `vlkv eval --table -n 300`.",

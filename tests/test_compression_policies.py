@@ -99,6 +99,8 @@ def test_policy_invariants(name, allocator, heads, kv_heads):
             continue
         recent = recent_count(k_l)
         assert recent == math.ceil(0.1 * k_l - 1e-9)
+        if policy.post_vision_window:  # vlcache: the post-vision tokens too, up to half the budget
+            recent = max(recent, min(TAU, k_l // 2))
         assert bool((idx[:, k_l - recent :] == torch.arange(M - recent, M)).all()), "recent window"
         scores = policy.score(layer, stats[layer], ks[layer], vs[layer], M, TAU)
         want = expected_scores(name, stats[layer], kv_heads, M)
@@ -277,3 +279,18 @@ def test_settings_full_cache_and_admission_estimate():
     _, ks, vs = make_inputs(4, 2, seed=8)  # the full policy needs no statistics at any budget
     compact = get_policy("full", allocator="sparsity").compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
     assert all(a is b for a, b in zip(compact.keys, ks, strict=True))
+
+
+def test_vlcache_recent_window_covers_the_post_vision_tokens_up_to_half_the_budget():
+    policy, plain = get_policy("vlcache"), get_policy("snapkv")
+    scores = torch.arange(100, dtype=torch.float32).flip(0)[None]  # older tokens score higher
+    for k, tau, recent in ((40, 10, 10), (12, 10, 6), (40, 2, 4), (40, 100, 4), (40, 0, 4)):
+        kept = policy.select(scores, k, tau)
+        # the last `recent` positions, then the best-scoring (oldest) ones
+        want = torch.cat([torch.arange(k - recent), torch.arange(100 - recent, 100)])
+        assert torch.equal(kept[0], want), (k, tau)
+        # policies without the post-vision window keep the paper's 10% whatever tau
+        r = recent_count(k)
+        assert torch.equal(
+            plain.select(scores, k, tau)[0], torch.cat([torch.arange(k - r), torch.arange(100 - r, 100)])
+        )

@@ -46,6 +46,8 @@ class Policy:
     allocator: layer budget allocator, a name registered in ``allocators.py``.
     exact_budget: for the sparsity allocator, hit ``round(alpha * L * m)`` exactly (see budgets.py).
     recent_ratio: fraction of each layer's budget spent on the most recent tokens.
+    post_vision_window: the recent window also covers the post-vision tokens (the last ``tau``, when the
+    prompt has vision tokens), up to half the budget (``select``).
     pyramid_beta, cake_tau1, cake_tau2: parameters of the pyramid and CAKE allocators.
     """
 
@@ -56,6 +58,7 @@ class Policy:
     allocator: str = "uniform"
     exact_budget: bool = False
     recent_ratio: float = 0.1
+    post_vision_window: bool = False
     pyramid_beta: float = 20.0
     cake_tau1: float = 1.0
     cake_tau2: float = 1.0
@@ -109,16 +112,19 @@ class Policy:
             raise ValueError(f"{self.name} scores need attention statistics")
         return group_sum(stats.col_sum.float(), keys.shape[0])
 
-    def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
         """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
 
-        The last ``recent_count(k)`` positions are always kept; the rest are the top scores among the
+        The last ``recent_count(k)`` positions are always kept (with ``post_vision_window`` and
+        ``0 < tau < m``: the last ``tau`` too, up to half of k); the rest are the top scores among the
         earlier positions, chosen per KV head.
         """
         kv_heads, m = scores.shape
         if not 1 <= k <= m:
             raise ValueError(f"budget {k} outside [1, m={m}]")
         recent = recent_count(k, self.recent_ratio)
+        if self.post_vision_window and 0 < tau < m:
+            recent = max(recent, min(tau, k // 2))
         tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
         top = scores[:, : m - recent].float().nan_to_num(nan=-math.inf).topk(k - recent, dim=-1).indices
         return torch.cat([top, tail], dim=-1).sort(dim=-1).values
@@ -158,7 +164,7 @@ class Policy:
             scores = self.score(i, layer_stats, keys, values, m, tau)
             if scores.shape != (keys.shape[0], m):
                 raise ValueError(f"{self.name}: scores {tuple(scores.shape)} are not [H_kv, m]")
-            kept.append(self.select(scores.to(keys.device), k_l))
+            kept.append(self.select(scores.to(keys.device), k_l, tau))
         return kept
 
     def compress(

@@ -22,3 +22,4 @@ class VLCachePolicy(Policy):
 
     name = "vlcache"
     allocator: str = "sparsity"
+    post_vision_window: bool = True

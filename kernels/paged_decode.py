@@ -22,7 +22,7 @@ int8 pools (``QUANT``; KIVI scales as in the reference): the split kernel multip
 the sequence's per-channel K scales (read once from its first block) and each tile's probabilities by the
 per-token V scales before the ``tl.dot`` with the int8 tile converted to fp32, so the kernel reads one byte
 per K/V element and materializes no dequantized tile. fp8 pools (``FP8``, same int8 tensors holding E4M3
-bit patterns): each byte is decoded through a 256-entry fp32 table (``fp8_table``) instead of converted;
+bit patterns): each byte is decoded through a 256-entry fp32 table (``fp8_table_on``) instead of converted;
 a gather from a 1 KiB table runs on every GPU Triton supports and in its interpreter (a native E4M3 cast
 would need sm_89+).
 
@@ -42,7 +42,7 @@ from .paged_decode_reference import (
     check_kv_format,
     check_paged_inputs,
     check_paged_values,
-    fp8_table,
+    fp8_table_on,
     paged_decode_reference,
 )
 
@@ -266,16 +266,6 @@ def _check_triton_device(t: Tensor, kernel) -> None:
         )
 
 
-_LUTS: dict[torch.device, Tensor] = {}
-
-
-def _fp8_lut(device: torch.device) -> Tensor:
-    """The E4M3 decoding table on ``device``, built once per device."""
-    if device not in _LUTS:
-        _LUTS[device] = fp8_table(device)
-    return _LUTS[device]
-
-
 def _default_splits(n_tiles: int, n_seq: int, n_kv: int, device: torch.device) -> int:
     """Enough (seq, KV head, split) programs to fill the device about twice over."""
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -355,7 +345,7 @@ def paged_decode_attention(
             t.fill_(float("nan"))
     quant = k_scale is not None
     fp8 = quant and check_kv_format(kv_format) == "fp8"
-    lut = _fp8_lut(q.device) if fp8 else m_part  # unread unless fp8
+    lut = fp8_table_on(q.device) if fp8 else m_part  # unread unless fp8
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     block_d = max(16, triton.next_power_of_2(dim))
     m_strides = m_part.stride()

@@ -17,7 +17,7 @@ int8 pools (``--kv-dtype int8``, KIVI): ``k_pool``/``v_pool`` are int8 and come 
 (p * vs) @ v``, so no dequantized K/V tile is ever materialized.
 
 fp8 pools (``--kv-dtype fp8``, ``kv_format="fp8"``): the same int8 tensors and scales, each byte an OCP FP8
-E4M3 bit pattern instead of an integer step; the gathered bytes are decoded to fp32 (``fp8_values``)
+E4M3 bit pattern instead of an integer step; the gathered bytes are decoded to fp32 (``_decode_fp8``)
 where an int8 pool's are converted.
 
 ``mass_out`` ``[S, T]`` fp32 (T >= max_blocks * P): each sequence's attention probabilities, summed over
@@ -32,7 +32,7 @@ import threading
 import torch
 from torch import Tensor
 
-__all__ = ["check_paged_inputs", "check_paged_values", "fp8_table", "paged_decode_reference"]
+__all__ = ["check_paged_inputs", "check_paged_values", "fp8_table", "fp8_table_on", "paged_decode_reference"]
 
 KV_FORMATS = ("int8", "fp8")
 
@@ -46,13 +46,19 @@ def fp8_table(device: torch.device | str = "cpu") -> Tensor:
 _TABLES: dict[torch.device, Tensor] = {}
 
 
+def fp8_table_on(device: torch.device) -> Tensor:
+    """``fp8_table`` on ``device``, built once per device and shared (read only) by this reference and the
+    Triton kernels."""
+    if device not in _TABLES:
+        _TABLES[device] = fp8_table(device)
+    return _TABLES[device]
+
+
 def _decode_fp8(codes: Tensor, name: str) -> Tensor:
     """E4M3 bytes (an int8 tensor) as fp32 values, into the per-thread scratch buffer ``name``."""
-    if codes.device not in _TABLES:
-        _TABLES[codes.device] = fp8_table(codes.device)
     out = _scratch(name, codes.shape, torch.float32, codes.device)
     idx = codes.reshape(-1).view(torch.uint8).int()
-    torch.index_select(_TABLES[codes.device], 0, idx, out=out.view(-1))
+    torch.index_select(fp8_table_on(codes.device), 0, idx, out=out.view(-1))
     return out
 
 

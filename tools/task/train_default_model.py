@@ -11,7 +11,7 @@ Deterministic (fixed seeds, deterministic algorithms), CPU only, from random ini
    first and then up to ``--warmup-max-objects`` (4), one more every ``--warmup-ramp-steps`` / 4 (400) steps:
    one shape teaches the colour read-out, two the look-up keyed by the shape.
 3. ``--lookup-only-steps`` (to step 1700): both colour-of-shape kinds (one and two images).
-4. The full mix (counting and the comparison join) to ``--steps`` (2400).
+4. The full mix (counting and the two-region kind join) to ``--steps`` (2400).
 5. ``--evict-steps`` (1,400, fresh AdamW at ``--evict-lr``, its own data stream, counting and the two-region
    kind weighted up, the long kind joining, ``EVICT_KIND_WEIGHTS``): eviction-robust fine-tuning
    (``eviction.py``): the answer's tokens after the first see a random part of the prompt, so the model does

@@ -15,6 +15,7 @@ from vlkv.common.security import SecurityConfig
 
 __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where callers look for them
 
+DEFAULT_PROMPT_WEIGHT = 1000.0  # PoolConfig.prompt_weight
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 KV_TRANSPORTS = ("auto", "grpc", "nixl")
 KV_DTYPES = ("fp16", "int8", "fp8")  # handoff.quantize.KV_DTYPES
@@ -96,6 +97,10 @@ class PoolConfig:
     # decode_window (the most recent ones always kept), cut back by attention mass a block past that.
     decode_budget: float = 0.0
     decode_window: int = 32
+    # What the prompt-time score of a kept token (its attention per post-vision row, KVHeader.prompt_scores)
+    # counts for against attention mass accumulated while decoding: re-compression starts a token's mass at
+    # prompt_weight x its score. Chosen on the task's training split (``vlkv eval --kv-table``).
+    prompt_weight: float = DEFAULT_PROMPT_WEIGHT
 
     def __post_init__(self) -> None:
         _check(self.pool_bytes > 0, "pool_bytes must be > 0")
@@ -110,6 +115,7 @@ class PoolConfig:
         _check(self.swap_bytes >= 0, "swap_bytes must be >= 0")
         _check(self.decode_budget >= 0, "decode_budget must be >= 0 (0: off)")
         _check(self.decode_window >= 1, "decode_window must be >= 1")
+        _check(self.prompt_weight >= 0, "prompt_weight must be >= 0 (0: decode mass alone)")
 
 
 @dataclass(slots=True)

@@ -29,7 +29,10 @@ Decode-phase re-compression (``decode_budget`` > 0, ``--decode-budget``): each s
 layer's attention mass per cached token, accumulated per sequence (``attn_mass``). When a layer has grown
 a block past ``decode_budget`` x its prompt-time length + ``decode_window`` tokens
 (``block_manager.recompress_target``), it keeps the ``decode_window`` most recent tokens and, of the older
-ones (prompt tokens and early generated ones alike), those with the most accumulated mass; they are
+ones (prompt tokens and early generated ones alike), those with the most accumulated mass. A prompt
+token's mass starts at ``prompt_weight`` x its prompt-time score (``seed``: its attention per post-vision
+row, sent by the prefill worker), so the tokens the question pointed at outlast decode-time attention
+that looks elsewhere, while prompt tokens the question ignored compete with generated ones. They are
 compacted to the front of its blocks (``KVCache.compact``) and the blocks past them go back to the pool
 (``BlockManager.shrink``). Positions keep counting from the true length (RoPE position = prompt length +
 tokens generated), never from the shortened cache.
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.errors import VlkvError
 from vlkv.common.sampling import SamplingConfig, make_generator, sample_token
 from vlkv.decode_worker.block_manager import BlockManager, SequenceBlocks, recompress_target
@@ -101,14 +105,17 @@ class DecodeCore:
         swap_device: str | torch.device = "cpu",
         decode_budget: float = 0.0,
         decode_window: int = 32,
+        prompt_weight: float = DEFAULT_PROMPT_WEIGHT,
     ) -> None:
-        """``decode_budget`` > 0: re-compress while decoding (see the module docstring)."""
+        """``decode_budget`` > 0: re-compress while decoding (see the module docstring); ``prompt_weight``:
+        what one unit of prompt-time score counts for in the accumulated mass (``seed``)."""
         self.runner = runner
         self.blocks = blocks
         self.cache = cache
         self.swap_device = swap_device
         self.decode_budget = decode_budget
         self.decode_window = decode_window
+        self.prompt_weight = prompt_weight
         self.evicted_tokens = 0  # by re-compression, since start
         self._mass: torch.Tensor | None = None
         self.scheduler: Scheduler[DecodeSequence] = Scheduler(
@@ -122,6 +129,19 @@ class DecodeCore:
     def add(self, seq: DecodeSequence) -> None:
         """Queue a sequence whose cache is written into its blocks."""
         self.scheduler.add(seq)
+
+    def seed(self, seq: DecodeSequence, prompt_scores: list[torch.Tensor] | None) -> None:
+        """Start ``seq``'s accumulated attention mass from its cache's prompt-time scores (``[k_l]`` per
+        layer, ``CompactKV.prompt_scores``) times ``prompt_weight``; nothing without re-compression or
+        scores (the mass then starts at zero)."""
+        if self.decode_budget <= 0 or not prompt_scores or self.prompt_weight <= 0:
+            return
+        if [s.numel() for s in prompt_scores] != seq.lengths:
+            raise ValueError("prompt_scores must hold one score per cached token of each layer")
+        mass = torch.zeros(len(seq.lengths), max(seq.lengths))
+        for layer, scores in enumerate(prompt_scores):
+            mass[layer, : scores.numel()] = scores.float() * self.prompt_weight
+        seq.attn_mass = mass
 
     def release(self, seq: DecodeSequence) -> None:
         """Take a sequence out (finished, cancelled, failed) and free its blocks and host copy."""

@@ -32,7 +32,7 @@ from vlkv.common.config import DecodeConfig
 from vlkv.common.errors import InvalidInput, VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
-from vlkv.common.handoff.wire import KVWireError
+from vlkv.common.handoff.wire import KVWireError, header_prompt_scores
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager
@@ -92,6 +92,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         core = DecodeCore(
             runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap,
             decode_budget=cfg.pool.decode_budget, decode_window=cfg.pool.decode_window,
+            prompt_weight=cfg.pool.prompt_weight,
         )  # fmt: skip
         self.engine = DecodeEngine(core, on_death=self._engine_died)
         self.address = ""
@@ -188,7 +189,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             layer_budgets=lengths,
             policy=header.policy,
         )
-        return Sequence(
+        seq = Sequence(
             request_id=header.request_id,
             blocks=blocks,
             lengths=lengths,
@@ -199,6 +200,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             usage=usage,
             detok=IncrementalText(self.tokenizer, sampling.stop, self.decode_text),
         )
+        self.engine.core.seed(seq, header_prompt_scores(header))  # validated with the header
+        return seq
 
     # -- token stream --------------------------------------------------------------------------------
     @abort_stream_on_error

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
-from vlkv.common.config import Limits
+from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, Limits
 from vlkv.common.errors import ResourceExhausted
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.quantize import quantize_compact
@@ -96,7 +96,8 @@ class InProcessEngine:
     """A prefill engine and a decode core sharing one model; ``processor`` is needed by ``generate`` only.
 
     pool_bytes, block_size, max_batch, admission ("grow" | "reserve"), watermark and swap_bytes (0: as
-    much as ``pool_bytes``), decode_budget and decode_window mean what they mean in ``PoolConfig``;
+    much as ``pool_bytes``), decode_budget, decode_window and prompt_weight mean what they mean in
+    ``PoolConfig``;
     kv_dtype ("fp16" | "int8" | "fp8") what it means in ``TransferConfig`` (caches are quantized where the prefill
     worker would, before admission); device: of the pool (the model's).
     """
@@ -117,6 +118,7 @@ class InProcessEngine:
         kv_dtype: str = "fp16",
         decode_budget: float = 0.0,
         decode_window: int = 32,
+        prompt_weight: float = DEFAULT_PROMPT_WEIGHT,
     ) -> None:
         self.model = model
         self.processor = processor
@@ -140,7 +142,7 @@ class InProcessEngine:
         runner = ModelRunner(model, self.cache)
         self.core = DecodeCore(
             runner, self.blocks, self.cache, max_batch, swap_bytes or pool_bytes,
-            decode_budget=decode_budget, decode_window=decode_window,
+            decode_budget=decode_budget, decode_window=decode_window, prompt_weight=prompt_weight,
         )  # fmt: skip
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
 
@@ -247,6 +249,7 @@ class InProcessEngine:
         run.seq = DecodeSequence(
             run.request_id, got, list(lengths), c.prompt_length, c.first_token, run.sampling
         )
+        self.core.seed(run.seq, c.prompt_scores)
         if run.emit(c.first_token):  # the prefill's token ended it: never decoded
             self.blocks.free(got)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+import torch
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.sampling import SamplingConfig
@@ -111,11 +112,18 @@ def test_decode_recompression_through_the_workers(tiny_model_dirs):
         free_before = cluster.pool.num_free
         images = [random_png(5)]
         req = build_request(images=images, question=QUESTION, max_new_tokens=48, policy="vlcache", budget=0.3)
-        got = generate(cluster.stub, req, timeout=60)
+        core = cluster.decode.servicer.engine.core
         engine = InProcessEngine(
             cluster.model, cluster.processor, pool_bytes=8 << 20, block_size=4, kv_dtype="int8",
             decode_budget=0.5, decode_window=4,
         )  # fmt: skip
+        seeds = {"served": [], "local": []}  # the prompt-time scores each decode core started from
+        for name, c in (("served", core), ("local", engine.core)):
+            c.seed = lambda seq, scores, _c=c, _n=name: (
+                seeds[_n].append(scores),
+                type(_c).seed(_c, seq, scores),
+            )
+        got = generate(cluster.stub, req, timeout=60)
         want = engine.generate(
             images,
             question=QUESTION,
@@ -123,7 +131,8 @@ def test_decode_recompression_through_the_workers(tiny_model_dirs):
             compression=CompressionSettings("vlcache", 0.3),
         )
         assert got.token_ids == want.token_ids
-        core = cluster.decode.servicer.engine.core
+        (served,), (local,) = seeds["served"], seeds["local"]
+        assert local is not None and all(torch.equal(a, b) for a, b in zip(served, local, strict=True))
         assert core.evicted_tokens == engine.core.evicted_tokens
         if len(got.token_ids) >= 16:  # long enough that some layer outgrew its budget by a block
             assert core.evicted_tokens > 0

@@ -37,13 +37,15 @@ def test_kv_table_runs_the_long_kind_and_re_compresses_only_when_asked(tmp_path,
         if len(cells) == 9 and cells[0] not in ("run", "---"):
             rows[cells[0]] = cells
     assert set(rows) == {
-        "fp16", "int8", "fp8", "long, full cache", "long, re-compression off", "long, re-compression 1 + 32"
+        "fp16", "int8", "fp8", "long, full cache", "long, re-compression off",
+        "long, re-compression, decode-time mass alone", "long, re-compression 1 + 32",
     }  # fmt: skip
     assert [rows[f][3] for f in ("fp16", "int8", "fp8")] == ["fp16", "int8", "fp8"]
-    long_full, off, on = (rows[k] for k in list(rows)[3:])
-    assert long_full[1] == off[1] == on[1] == "colour_of_shape_long"
+    long_full, off, alone, on = (rows[k] for k in list(rows)[3:])
+    assert long_full[1] == off[1] == alone[1] == on[1] == "colour_of_shape_long"
+    assert "prompt weight 0" in alone[5] and "prompt weight 1000" in on[5]
     # the long answers run to their end (69 tokens, eos included), not to a forced length
     assert 60 <= float(long_full[7]) <= 72 and float(long_full[6]) >= 0.75
-    # re-compression cuts tokens only when it is on
-    assert int(long_full[8]) == int(off[8]) == 0 < int(on[8])
+    # re-compression cuts tokens only when it is on, as many whatever it ranks them by
+    assert int(long_full[8]) == int(off[8]) == 0 < int(on[8]) == int(alone[8])
     assert "long answers, re-compression on vs off" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vlkv.common.config import (
     DEFAULT_MODEL_DIR,
+    DEFAULT_PROMPT_WEIGHT,
     ModelConfig,
     PoolConfig,
     QueueConfig,
@@ -44,6 +45,7 @@ def _server_config(args) -> ServerConfig:
             swap_bytes=int(args.swap_mb * (1 << 20)),
             decode_budget=args.decode_budget,
             decode_window=args.decode_window,
+            prompt_weight=args.prompt_weight,
         ),
         queue=QueueConfig(max_waiting=args.max_waiting),
         transfer=TransferConfig(
@@ -139,6 +141,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "tokens plus --decode-window, dropping the least-attended older tokens as it grows",
     )
     p.add_argument("--decode-window", type=int, default=32, help="recent tokens re-compression always keeps")
+    p.add_argument(
+        "--prompt-weight",
+        type=float,
+        default=DEFAULT_PROMPT_WEIGHT,
+        help="re-compression: a prompt token's accumulated attention mass starts at this x its prompt-time "
+        "score (0: decode-time mass alone)",
+    )
     p.add_argument(
         "--max-waiting", type=int, default=256, help="requests queued while no decode worker has room"
     )
@@ -501,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("-n", type=int, default=200, help="held-out examples")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--split",
+        choices=["heldout", "train"],
+        default="heldout",
+        help="examples of the held-out split (figures) or of the training split (choosing a setting)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--table", action="store_true", help="sweep every policy over the Table-1 budgets")
@@ -526,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-budget", type=float, default=0.0, help="decode-phase re-compression (0: off), as in serve"
     )
     p.add_argument("--decode-window", type=int, default=32, help="recent tokens re-compression always keeps")
+    p.add_argument(
+        "--prompt-weight", type=float, default=DEFAULT_PROMPT_WEIGHT, help="re-compression, as in serve"
+    )
     p.add_argument(
         "--min-new-tokens", type=int, default=0, help="long answers: EOS does not end one before this many"
     )

@@ -23,7 +23,7 @@ import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 
 from .allocators import get_allocator
-from .stats import AttentionStatsLike, group_sum, validate_stats
+from .stats import AttentionStatsLike, group_sum, kept_prompt_scores, validate_stats
 
 TAU0_WINDOW = 8  # query rows used when the prompt has no post-vision text (tau = 0)
 
@@ -180,10 +180,15 @@ class Policy:
     ) -> CompactKV:
         """Compress one sequence's cache. keys/values per layer: ``[H_kv, m, D]`` (post-RoPE).
 
-        Layers whose budget is m are passed through untouched (the same tensors, made contiguous if they
+        With attention statistics, ``prompt_scores`` holds each kept position's attention per covered query
+        row (``stats.kept_prompt_scores``). Layers whose budget is m are passed through untouched (the same tensors, made contiguous if they
         are not), so ``alpha >= 1`` and the ``full`` policy return the cache bitwise unchanged.
         """
         kept = self.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
+        scores = None
+        if self.requires_stats and not self.is_full(alpha):  # plan checked the statistics
+            rows = m - self.query_start(m, tau)
+            scores = [kept_prompt_scores(s, idx, rows) for s, idx in zip(stats_per_layer, kept, strict=True)]
         out_k, out_v = [], []
         for idx, keys, values in zip(kept, keys_per_layer, values_per_layer, strict=True):
             if idx.shape[1] == m:
@@ -193,7 +198,9 @@ class Policy:
             gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
             out_k.append(keys.gather(1, gather))
             out_v.append(values.gather(1, gather))
-        return CompactKV(out_k, out_v, prompt_length=m, first_token=first_token, kept_indices=kept)
+        return CompactKV(
+            out_k, out_v, prompt_length=m, first_token=first_token, kept_indices=kept, prompt_scores=scores
+        )
 
 
 def _require(

@@ -62,6 +62,15 @@ def group_sum(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return per_query_head.reshape(num_kv_heads, heads // num_kv_heads, length).sum(dim=1)
 
 
+def kept_prompt_scores(stats: AttentionStatsLike, kept: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[k_l]`` fp16: for each kept position, the attention its tokens got per covered query row, summed over
+    every query head (a position holds a different token in each KV head; each adds its group's share).
+
+    kept: ``[H_kv, k_l]`` original positions; rows: how many query rows ``stats`` covered."""
+    per_kv_head = group_sum(stats.col_sum.float(), kept.shape[0]).to(kept.device)
+    return (per_kv_head.gather(1, kept).sum(dim=0) / max(1, rows)).to(torch.float16)
+
+
 def validate_stats(stats: AttentionStatsLike, m: int, q_start: int, layer: int) -> None:
     """Fail with a clear message when statistics do not cover the rows a policy asked for."""
     if stats.col_sum.shape[-1] != m:

@@ -38,7 +38,15 @@ from google.protobuf.message import DecodeError
 from vlkv.common.errors import Refusal
 from vlkv.common.handoff.codec import crc32c, parse_data_wire
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.handoff.wire import DTYPES, FORMAT_VERSION, KVWireError, dtype_name, layer_shapes
+from vlkv.common.handoff.wire import (
+    DTYPES,
+    FORMAT_VERSION,
+    PROMPT_SCORE_DTYPE,
+    KVWireError,
+    dtype_name,
+    header_prompt_scores,
+    layer_shapes,
+)
 from vlkv.common.model.spec import KVLayout
 from vlkv.v1 import kv_pb2
 
@@ -68,8 +76,11 @@ def validate_header(
 
     if header.format_version != FORMAT_VERSION:
         raise bad(f"format_version {header.format_version}, this side speaks {FORMAT_VERSION}")
-    if header.ByteSize() > max_header_bytes:
-        raise bad(f"{header.ByteSize()} bytes > limit {max_header_bytes}")
+    scores_bytes = sum(map(len, header.prompt_scores))  # per kept token, checked below
+    if header.ByteSize() - scores_bytes > max_header_bytes:
+        raise bad(
+            f"{header.ByteSize() - scores_bytes} bytes (prompt_scores aside) > limit {max_header_bytes}"
+        )
     if header.dtype not in DTYPES:
         raise bad(f"unknown dtype {header.dtype!r}")
     if header.kv_dtype not in ("", "int8", "fp8"):
@@ -87,6 +98,9 @@ def validate_header(
     total = sum(map(sum, all_tensor_bytes(header)))
     if total > max_total_bytes:
         raise bad(f"announces {total} KV bytes > limit {max_total_bytes}")
+    if scores_bytes > PROMPT_SCORE_DTYPE.itemsize * sum(header.layer_lengths):
+        raise bad(f"{scores_bytes} bytes of prompt_scores for {sum(header.layer_lengths)} kept tokens")
+    header_prompt_scores(header)  # their count, sizes and values
 
     if header.model_fingerprint != expected_fingerprint:
         raise KVWireError(
@@ -336,5 +350,12 @@ class KVAssembler:
                 source_dtype=DTYPES[h.dtype],
                 qformat=h.kv_dtype,
             )
-        ckv = CompactKV(keys, values, prompt_length=h.prompt_length, first_token=h.first_token_id, **scales)
+        ckv = CompactKV(
+            keys,
+            values,
+            prompt_length=h.prompt_length,
+            first_token=h.first_token_id,
+            prompt_scores=header_prompt_scores(h),
+            **scales,
+        )
         return h, ckv

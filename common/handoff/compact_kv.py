@@ -25,6 +25,9 @@ class CompactKV:
     source_dtype: the dtype an int8 cache was quantized from (None when unknown or not quantized).
     qformat: what the bytes of a quantized cache encode: ``int8`` steps or ``fp8`` E4M3 bit patterns
     (``quantize.py``); both are stored as ``torch.int8``.
+    prompt_scores: optional per layer ``[k_l]`` fp16, the prompt-time importance of each kept position (the
+    attention per covered query row, summed over every head: ``Policy.compress``); a decode worker that
+    re-compresses starts its accumulated attention mass from it (header field ``prompt_scores``).
     """
 
     keys: list[torch.Tensor]
@@ -36,6 +39,7 @@ class CompactKV:
     v_scales: list[torch.Tensor] | None = field(default=None, repr=False)
     source_dtype: torch.dtype | None = None
     qformat: str = "int8"
+    prompt_scores: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values) or not self.keys:
@@ -62,6 +66,10 @@ class CompactKV:
                     raise ValueError(
                         f"scales {tuple(ks.shape)}, {tuple(vs.shape)} do not fit {tuple(k.shape)}"
                     )
+        if self.prompt_scores is not None and [tuple(s.shape) for s in self.prompt_scores] != [
+            (n,) for n in self.layer_lengths
+        ]:
+            raise ValueError("prompt_scores must hold one [k_l] tensor per layer")
 
     @property
     def quantized(self) -> bool:

@@ -119,6 +119,7 @@ def quantize_compact(ckv: CompactKV, kv_dtype: str) -> CompactKV:
         v_scales=v_scales,
         source_dtype=ckv.dtype,
         qformat=fmt,
+        prompt_scores=ckv.prompt_scores,
     )
 
 

@@ -39,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+PROMPT_SCORE_DTYPE = torch.float16  # KVHeader.prompt_scores
 
 
 class KVWireError(Exception):
@@ -85,9 +86,11 @@ def encode_header(
     vision_tokens: int = 0,
     policy: str = "",
     kv_dtype: str = "",
+    prompt_scores: Sequence[torch.Tensor] | None = None,
 ) -> kv_pb2.KVChunk:
     """The header chunk; ``layer_lengths`` (k_l) must be known before the first layer is sent.
-    ``dtype``: the model's KV dtype; ``kv_dtype``: "int8" when the layers travel quantized (with scales)."""
+    ``dtype``: the model's KV dtype; ``kv_dtype``: "int8" when the layers travel quantized (with scales);
+    ``prompt_scores``: per layer ``[k_l]`` (``CompactKV.prompt_scores``), sent as fp16."""
     header = kv_pb2.KVHeader(
         format_version=FORMAT_VERSION,
         request_id=request_id,
@@ -104,6 +107,7 @@ def encode_header(
         vision_tokens=vision_tokens,
         policy=policy,
         kv_dtype="" if kv_dtype == "fp16" else kv_dtype,
+        prompt_scores=[bytes(tensor_bytes(t.to(PROMPT_SCORE_DTYPE))) for t in prompt_scores or ()],
     )
     if sampling is not None:
         header.sampling.CopyFrom(sampling)
@@ -230,7 +234,37 @@ def compact_header(
         vision_tokens=vision_tokens,
         policy=policy,
         kv_dtype=ckv.kv_dtype,
+        prompt_scores=ckv.prompt_scores,
     )
+
+
+def header_prompt_scores(h: kv_pb2.KVHeader) -> list[torch.Tensor] | None:
+    """The header's ``prompt_scores`` as per-layer fp16 ``[k_l]`` tensors (None when it has none); a wrong
+    count or size, or a value that is negative or not finite, is INVALID_ARGUMENT."""
+    raw = h.prompt_scores
+    if not raw:
+        return None
+    if len(raw) != len(h.layer_lengths):
+        raise KVWireError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"bad KV header: {len(raw)} prompt_scores for {len(h.layer_lengths)} layers",
+        )
+    size = PROMPT_SCORE_DTYPE.itemsize
+    out = []
+    for layer, (b, n) in enumerate(zip(raw, h.layer_lengths, strict=True)):
+        if len(b) != n * size:
+            raise KVWireError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad KV header: layer {layer}'s prompt_scores hold {len(b)} bytes, expected {n * size}",
+            )
+        t = torch.frombuffer(bytearray(b), dtype=PROMPT_SCORE_DTYPE)
+        if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            raise KVWireError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad KV header: layer {layer}'s prompt_scores hold a negative or non-finite value",
+            )
+        out.append(t)
+    return out
 
 
 def compact_layers(ckv: CompactKV) -> Iterator[tuple[torch.Tensor, ...]]:

@@ -17,7 +17,7 @@ the wire bytes of such a cache, and decode speed int8 vs fp16 on this machine.
    The 10% caches are VL-Cache-like uneven per-layer budgets (``admission.uneven_lengths``).
 2. Wire bytes: every serialized message (header, data chunks with their CRCs, trailer) of a 10% int8
    cache against the full fp16 cache of the same 2K prompt (random K/V of the 7B layout), metadata
-   included.
+   included (the 10% cache's header also carries its prompt-time scores, 2 bytes per kept token per layer).
 3. Decode throughput on this CPU: ``ModelRunner.step`` (the real language model with paged attention:
    the torch reference, which dequantizes inside) on the 7B layout truncated to ``--layers`` layers, fp32
    weights, one torch thread, 10% caches of 2K prompts in a pool stored in the model's dtype ("fp16" here
@@ -179,11 +179,13 @@ def capacity(pool_bytes: int, decode_budget: float, window: int) -> list[Capacit
 
 
 # -- wire bytes ---------------------------------------------------------------------------------------------
-def _random_cache(lengths: list[int], seed: int = 0) -> CompactKV:
+def _random_cache(lengths: list[int], seed: int = 0, scored: bool = False) -> CompactKV:
+    """``scored``: with the prompt-time scores a compressing policy sends in the header (fp16 per token)."""
     lay, g = LAYOUT_7B, torch.Generator().manual_seed(seed)
     keys = [torch.randn(lay.kv_heads, n, lay.head_dim, generator=g).half() for n in lengths]
     values = [torch.randn(lay.kv_heads, n, lay.head_dim, generator=g).half() for n in lengths]
-    return CompactKV(keys, values, prompt_length=PROMPT, first_token=1)
+    scores = [torch.rand(n, generator=g).half() for n in lengths] if scored else None
+    return CompactKV(keys, values, prompt_length=PROMPT, first_token=1, prompt_scores=scores)
 
 
 def _stream_bytes(ckv: CompactKV) -> int:
@@ -192,7 +194,7 @@ def _stream_bytes(ckv: CompactKV) -> int:
 
 def wire_bytes() -> dict:
     full = _stream_bytes(_random_cache([PROMPT] * LAYOUT_7B.layers))
-    small = _random_cache(uneven_lengths(PROMPT, BUDGET, LAYOUT_7B.layers), seed=1)
+    small = _random_cache(uneven_lengths(PROMPT, BUDGET, LAYOUT_7B.layers), seed=1, scored=True)
     fp16_10, int8_10 = _stream_bytes(small), _stream_bytes(quantize_compact(small, "int8"))
     return {"full_fp16": full, "10%_fp16": fp16_10, "10%_int8": int8_10, "int8_share": int8_10 / full}
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 from vlkv.common.compression.registry import CompressionSettings, get_policy
+from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
@@ -142,14 +143,15 @@ def decode_batch(
     kv_dtype: str = "fp16",
     decode_budget: float = 0.0,
     decode_window: int = 32,
+    prompt_weight: float = DEFAULT_PROMPT_WEIGHT,
     min_new_tokens: int = 0,
     stats: dict | None = None,
 ) -> list[list[int]]:
     """Greedy decode of all caches together as one batch through the in-process engine's paged pool and
     decode core; per cache the prefill's token and up to ``max_new_tokens - 1`` more, ending at an EOS.
 
-    ``kv_dtype``/``decode_budget``/``decode_window``: the deployment options (``--kv-dtype``,
-    ``--decode-budget``, ``--decode-window``). ``min_new_tokens``: long answers: EOS does not end a sequence
+    ``kv_dtype``/``decode_budget``/``decode_window``/``prompt_weight``: the deployment options
+    (``--kv-dtype``, ``--decode-budget``, ``--decode-window``, ``--prompt-weight``). ``min_new_tokens``: long answers: EOS does not end a sequence
     before this many tokens (every sequence decodes ``max(max_new_tokens, min_new_tokens)`` steps, its
     answer is cut at its first EOS from then on), so decode-phase re-compression acts while it answers.
     ``stats``: filled with ``evicted_tokens`` (by re-compression)."""
@@ -165,6 +167,7 @@ def decode_batch(
         kv_dtype=kv_dtype,
         decode_budget=decode_budget,
         decode_window=decode_window,
+        prompt_weight=prompt_weight,
     )
     outs = engine.decode_caches(
         caches, SamplingConfig(max_new_tokens=steps), set() if min_new_tokens else eos

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from vlkv.common.compression.registry import POLICY_NAMES, get_policy
-from vlkv.common.config import ModelConfig
+from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval.evaluation import cache_hit_rate, evaluate, prepare
 from vlkv.tools.progress import progress as track
@@ -20,7 +20,7 @@ HIT_RATE_POLICIES = ("vlcache", "h2o", "zipcache", "snapkv", "streamingllm", "ra
 def run_eval(args) -> int:
     model = load_model(ModelConfig(path=args.model))
     processor = load_processor(args.model)
-    examples = make_examples(args.n, seed=args.seed, split="heldout")
+    examples = make_examples(args.n, seed=args.seed, split=getattr(args, "split", "heldout"))
     start = time.perf_counter()
     prepared = prepare(model, processor, examples, progress=not args.json)
     full = evaluate(model, processor, prepared, "full", 1.0, args.max_new_tokens)
@@ -45,6 +45,7 @@ def run_eval(args) -> int:
         kv_dtype=getattr(args, "kv_dtype", "fp16"),
         decode_budget=getattr(args, "decode_budget", 0.0),
         decode_window=getattr(args, "decode_window", 32),
+        prompt_weight=getattr(args, "prompt_weight", DEFAULT_PROMPT_WEIGHT),
         min_new_tokens=getattr(args, "min_new_tokens", 0),
     )
     res = evaluate(

@@ -30,7 +30,7 @@ class KVChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "layer_lengths", "prompt_length", "first_token_id", "sampling", "eos_token_ids", "prompt_tokens", "vision_tokens", "policy", "kv_dtype")
+    __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "layer_lengths", "prompt_length", "first_token_id", "sampling", "eos_token_ids", "prompt_tokens", "vision_tokens", "policy", "kv_dtype", "prompt_scores")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class KVHeader(_message.Message):
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SCORES_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     request_id: str
     model_fingerprint: str
@@ -63,7 +64,8 @@ class KVHeader(_message.Message):
     vision_tokens: int
     policy: str
     kv_dtype: str
-    def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_lengths: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    prompt_scores: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_lengths: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., prompt_scores: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("layer", "tensor", "offset", "data", "crc32c")

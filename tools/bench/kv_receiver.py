@@ -9,6 +9,7 @@ scales), so a test can compare bit for bit.
 (``waiting``).
 
     serve([layout, ...], port_q, stop, pool_mib=..., dump_dir=None, nixl=True)   # multiprocessing target
+    serve_raw(nbytes, port_q, stop)   # NIXL alone: one registered buffer, no vlkv receiving code
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import grpc
 import torch
 from vlkv.common.config import DecodeConfig, Limits, PoolConfig, TransferConfig
 from vlkv.common.handoff.grpc_transport import grpc_message_options, tune_malloc
-from vlkv.common.handoff.nixl_agent import NixlAgent
+from vlkv.common.handoff.nixl_agent import POLL_S, NixlAgent
 from vlkv.common.model.spec import KVLayout
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, SequenceBlocks
 from vlkv.decode_worker.kv_cache import KVCache
@@ -121,3 +122,19 @@ def serve(
             await server.stop(1)
 
     asyncio.run(main())
+
+
+def serve_raw(nbytes: int, port_q: mp.Queue, stop: mp.Event) -> None:
+    """The ceiling for the NIXL column: an agent with one registered ``nbytes`` buffer that a peer writes
+    into, and nothing else (no admission, regions, checksums). Puts ``(agent name, metadata, buffer
+    address)`` on ``port_q``; progresses the agent every ``POLL_S`` (UCX over TCP needs the target to) until
+    ``stop`` is set."""
+    import time
+
+    agent = NixlAgent("raw-receiver")
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    agent.register([buf])
+    port_q.put((agent.name, agent.metadata, buf.data_ptr()))
+    while not stop.is_set():
+        agent._agent.get_new_notifs()  # progress only
+        time.sleep(POLL_S)

@@ -39,6 +39,10 @@ per-message cost dominates.
   Set ``UCX_TLS=tcp`` for the cross-node path (UCX over TCP sockets) on one host. Per byte NIXL does one
   pack copy, the UCX copy, a CRC-32C on each side and a finiteness pass; the TCP column does two kernel
   copies and nothing else, so on a machine short of CPU the ratio follows the CPU per GB.
+- NIXL raw (diagnostic): NIXL alone, the ceiling for the NIXL column: the same K and V bytes, already
+  contiguous in a registered buffer, written with one WRITE (one descriptor per tensor) into a registered
+  buffer of a process that runs no vlkv code (``kv_receiver.serve_raw``): no header, regions, packing,
+  checksums or notifications.
 
     python -m vlkv.tools.bench.kv_wire [--out out/bench_kv_wire] [--repeats 7] [--chunk-mib 4]
 """
@@ -57,6 +61,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 from vlkv.common.handoff.assembler import KVAssembler
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -77,7 +82,7 @@ LAYOUT = (32, 8, 128, torch.float16)  # L, H_kv, D, dtype
 PROMPT = 2048
 FINGERPRINT = "bench-7b-shape"
 GRPC_FRAMING = 5  # gRPC's length prefix per message (HTTP/2 frame headers not counted)
-KINDS = ("grpc", "tcp", "tcp_fmt", "grpc_raw", "nixl")
+KINDS = ("grpc", "tcp", "tcp_fmt", "grpc_raw", "nixl", "nixl_raw")
 
 
 def make_cache(budget: float, seed: int = 0) -> CompactKV:
@@ -190,6 +195,21 @@ async def _nixl_once(sender: NixlKVSender, ckv: CompactKV, rid: str) -> float:
     return elapsed
 
 
+async def _nixl_raw_once(agent: NixlAgent, peer: str, src: torch.Tensor, dst: int, ckv: CompactKV) -> float:
+    """NIXL raw: the cache's K and V bytes, already contiguous in a registered buffer (``src``), written
+    with one WRITE of one descriptor per tensor into the raw receiver's buffer at ``dst``; no vlkv work."""
+    sizes = [t.numel() * t.element_size() for pair in zip(ckv.keys, ckv.values, strict=True) for t in pair]
+    local, remote, off = [], [], 0
+    for n in sizes:
+        local.append((src.data_ptr() + off, n, 0))
+        remote.append((dst + off, n, 0))
+        off += n
+    start = time.perf_counter()
+    handle = agent.post(peer, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), "DRAM")
+    await agent.wait([handle], time.monotonic() + 120)
+    return time.perf_counter() - start
+
+
 def _tcp_once(port: int, ckv: CompactKV, blobs: list[bytes], chunk_bytes: int, framed: bool) -> float:
     with socket.create_connection(("127.0.0.1", port)) as s:
         start = time.perf_counter()
@@ -237,6 +257,10 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     servers.append(ctx.Process(target=kv_receiver.serve, args=([LAYOUT], port_q, stop, 320), daemon=True))
     servers[-1].start()
     ports.append(port_q.get(timeout=120)[0][0])
+    full = make_cache(1.0)
+    servers.append(ctx.Process(target=kv_receiver.serve_raw, args=(full.nbytes, port_q, stop), daemon=True))
+    servers[-1].start()
+    raw_name, raw_meta, raw_dst = port_q.get(timeout=120)
     rows = []
     loop = asyncio.new_event_loop()  # one long-lived channel, as a prefill worker keeps per decode worker
     channel, sender = loop.run_until_complete(_connect(ports[0], chunk_bytes))
@@ -245,6 +269,9 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     agent = NixlAgent("prefill")
     nixl_address = f"127.0.0.1:{ports[3]}"
     nixl_sender = NixlKVSender(nixl_channel, nixl_address, agent, StagingPool(agent), timeout_s=120)
+    raw_peer = agent.peer("raw-receiver", raw_name, raw_meta)
+    raw_src = torch.empty(full.nbytes, dtype=torch.uint8)  # each cache's K, V bytes, copied in untimed
+    agent.register([raw_src])
     sent = iter(range(1 << 30))  # request ids: each hand-off is a new request
     try:
         loop.run_until_complete(_grpc_once(sender, make_cache(0.05)))  # connect and warm up
@@ -252,6 +279,9 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
         loop.run_until_complete(_nixl_once(nixl_sender, make_cache(1.0), "warm-up"))  # staging registered
         for budget in (0.1, 1.0):
             ckv = make_cache(budget)
+            pairs = zip(ckv.keys, ckv.values, strict=True)
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for pair in pairs for t in pair])
+            raw_src[: flat.numel()].copy_(flat)
             stream = encode_compact_kv(
                 ckv, request_id="bench", fingerprint=FINGERPRINT, chunk_bytes=chunk_bytes
             )
@@ -264,6 +294,7 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
                 "tcp_fmt": servers[1].pid,
                 "grpc_raw": servers[2].pid,
                 "nixl": servers[3].pid,
+                "nixl_raw": servers[4].pid,
             }
             runs = {
                 "grpc": lambda c=ckv: loop.run_until_complete(_grpc_once(sender, c)),
@@ -271,6 +302,9 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
                 "tcp_fmt": lambda c=ckv, b=blobs: _tcp_once(ports[1], c, b, chunk_bytes, framed=True),
                 "grpc_raw": lambda b=blobs: loop.run_until_complete(_grpc_raw_once(raw_sender, b)),
                 "nixl": lambda c=ckv: loop.run_until_complete(_nixl_once(nixl_sender, c, f"r{next(sent)}")),
+                "nixl_raw": lambda c=ckv: loop.run_until_complete(
+                    _nixl_raw_once(agent, raw_peer, raw_src, raw_dst, c)
+                ),
             }
             for _ in range(repeats):
                 for kind, fn in runs.items():
@@ -299,6 +333,9 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
             row["nixl_vs_tcp"] = statistics.median(
                 g / t for g, t in zip(secs["tcp"], secs["nixl"], strict=True)
             )
+            row["nixl_raw_vs_tcp"] = statistics.median(
+                g / t for g, t in zip(secs["tcp"], secs["nixl_raw"], strict=True)
+            )
             rows.append(row)
     finally:
         loop.run_until_complete(nixl_channel.close())
@@ -325,17 +362,20 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
         f"load avg (1/5/15 min) before {load[0]}, after {load[1]}, {os.cpu_count()} CPUs"
     )
     print(
-        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt  raw  NIXL | "
-        "gRPC/TCP  raw/TCP  gRPC/TCP+fmt  NIXL/TCP | CPU s/GB: gRPC   TCP  TCP+fmt  raw  NIXL"
+        "budget  k/(L*m)  payload MB  +metadata B  wire/full  msgs | GB/s: gRPC   TCP  TCP+fmt  raw  NIXL  "
+        "NIXLraw | gRPC/TCP  raw/TCP  gRPC/TCP+fmt  NIXL/TCP  NIXLraw/TCP | CPU s/GB: gRPC   TCP  TCP+fmt  raw  "
+        "NIXL  NIXLraw"
     )
     for r in rows:
         print(
             f"{r['budget']:>6.0%}  {r['ratio']:>7.4f}  {r['payload'] / 1e6:>10.2f}  {r['wire'] - r['payload']:>11}  "
             f"{r['wire_vs_full']:>9.2%}  {r['messages']:>4} |      {r['grpc_gbps']:>4.2f}  {r['tcp_gbps']:>4.2f}  "
-            f"{r['tcp_fmt_gbps']:>7.2f} {r['grpc_raw_gbps']:>4.2f} {r['nixl_gbps']:>5.2f} | {r['grpc_vs_tcp']:>8.0%}  "
-            f"{r['grpc_raw_vs_tcp']:>7.0%}  {r['grpc_vs_tcp_fmt']:>12.0%}  {r['nixl_vs_tcp']:>8.0%} |"
+            f"{r['tcp_fmt_gbps']:>7.2f} {r['grpc_raw_gbps']:>4.2f} {r['nixl_gbps']:>5.2f} {r['nixl_raw_gbps']:>8.2f} | "
+            f"{r['grpc_vs_tcp']:>8.0%}  {r['grpc_raw_vs_tcp']:>7.0%}  {r['grpc_vs_tcp_fmt']:>12.0%}  "
+            f"{r['nixl_vs_tcp']:>8.0%}  {r['nixl_raw_vs_tcp']:>11.0%} |"
             f"           {r['grpc_cpu_s_per_gb']:>4.2f}  {r['tcp_cpu_s_per_gb']:>4.2f}  "
-            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f} {r['grpc_raw_cpu_s_per_gb']:>4.2f} {r['nixl_cpu_s_per_gb']:>5.2f}"
+            f"{r['tcp_fmt_cpu_s_per_gb']:>7.2f} {r['grpc_raw_cpu_s_per_gb']:>4.2f} {r['nixl_cpu_s_per_gb']:>5.2f} "
+            f"{r['nixl_raw_cpu_s_per_gb']:>8.2f}"
         )
     for r in rows:
         split = ", ".join(
@@ -346,6 +386,7 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
                 ("tcp_fmt", "TCP+fmt"),
                 ("grpc_raw", "gRPC raw"),
                 ("nixl", "NIXL"),
+                ("nixl_raw", "NIXL raw"),
             )
         )
         print(f"{r['budget']:>6.0%}  CPU s/GB send/recv: {split}")
@@ -367,12 +408,13 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
         "tcp_fmt": "TCP + same format work",
         "grpc_raw": "gRPC raw (grpcio alone)",
         "nixl": "NIXL (one-sided writes into the pool)",
+        "nixl_raw": "NIXL raw (NIXL alone)",
     }
     for i, (kind, name) in enumerate(names.items()):
         ax2.bar(
-            [x + (i - 2) * 0.16 for x in range(len(rows))],
+            [x + (i - 2.5) * 0.14 for x in range(len(rows))],
             [r[f"{kind}_gbps"] for r in rows],
-            0.16,
+            0.14,
             label=name,
         )
     ax2.set(title="loopback throughput (GB/s)", xticks=range(len(rows)), xticklabels=labels, xlabel="budget")

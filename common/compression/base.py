@@ -181,8 +181,9 @@ class Policy:
         """Compress one sequence's cache. keys/values per layer: ``[H_kv, m, D]`` (post-RoPE).
 
         With attention statistics, ``prompt_scores`` holds each kept position's attention per covered query
-        row (``stats.kept_prompt_scores``). Layers whose budget is m are passed through untouched (the same tensors, made contiguous if they
-        are not), so ``alpha >= 1`` and the ``full`` policy return the cache bitwise unchanged.
+        row (``stats.kept_prompt_scores``). Layers whose budget is m are passed through untouched (the same
+        tensors, made contiguous if they are not), so ``alpha >= 1`` and the ``full`` policy return the cache
+        bitwise unchanged.
         """
         kept = self.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
         scores = None

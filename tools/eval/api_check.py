@@ -66,7 +66,7 @@ def run_api_check(args) -> int:
     cfg = ServerConfig(model=ModelConfig(path=args.model))
     model = load_model(cfg.model)
     processor = load_processor(args.model)
-    examples = make_examples(args.n, seed=args.seed, split="heldout")
+    examples = make_examples(args.n, seed=args.seed, split=getattr(args, "split", "heldout"))
     prepared = prepare(model, processor, examples, progress=True)
 
     loop = asyncio.new_event_loop()
@@ -95,7 +95,8 @@ def run_api_check(args) -> int:
         loop.call_soon_threadsafe(loop.stop)
     full_acc = rows[0][2]
     md = [
-        f"# Accuracy through the public gRPC API ({len(examples)} held-out examples)",
+        f"# Accuracy through the public gRPC API ({len(examples)} examples of split "
+        f"{getattr(args, 'split', 'heldout')})",
         "",
         f"Command: `vlkv eval --api -n {args.n} --policy {args.policy} --budgets {args.budgets}`",
         "",

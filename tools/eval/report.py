@@ -68,7 +68,7 @@ def run_eval(args) -> int:
     else:
         print(
             f"policy {args.policy} (allocator {report['allocator']}) at budget {args.budget:.0%}"
-            f" on {len(prepared)} held-out examples"
+            f" on {len(prepared)} examples of split {getattr(args, 'split', 'heldout')}"
         )
         print(
             f"  accuracy {res.accuracy:.3f}  (full cache {full.accuracy:.3f}, relative {report['relative_accuracy']:.3f})"
@@ -92,7 +92,8 @@ def _table(args, model, processor, prepared, full, start) -> int:
         for p in track(HIT_RATE_POLICIES, desc="cache hit rate", unit="policy")
     }
     md = [
-        f"# Accuracy against KV budget ({len(prepared)} held-out examples, full cache {full.accuracy:.3f})",
+        f"# Accuracy against KV budget ({len(prepared)} examples of split {getattr(args, 'split', 'heldout')}, "
+        f"full cache {full.accuracy:.3f})",
         "",
         "Command: `vlkv eval --table" + (f" -n {args.n}" if args.n else "") + "`",
         "",

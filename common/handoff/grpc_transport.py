@@ -29,6 +29,7 @@ from vlkv.v1 import kv_pb2, worker_pb2
 TRANSFER_KV_METHOD = "/vlkv.v1.DecodeWorker/TransferKV"
 # Room for the header (validate_header caps it at 64 KiB by default) and protobuf framing.
 MESSAGE_OVERHEAD_BYTES = 1 << 17
+DRAIN_BYTES = 64 << 20  # what a refused sender may still stream before the status goes out anyway
 
 Layers = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
@@ -154,11 +155,30 @@ async def receive_kv_stream(
     except KVWireError as err:
         assembler.abort()
         if context is not None:
+            await _drain(requests)  # so the sender sees this status, not INTERNAL (see ``_drain``)
             await context.abort(err.code, err.message)
         raise
     except BaseException:
         assembler.abort()
         raise
+
+
+async def _drain(requests: AsyncIterable, limit_bytes: int = DRAIN_BYTES, timeout_s: float = 5.0) -> None:
+    """Read and drop what a refused sender still streams (at most ``limit_bytes``, ``timeout_s``): a status
+    sent while the client is still writing reaches grpcio's client as ``INTERNAL: Internal error from
+    Core``. The decode worker's own receiver does the same with its limits (``transfers._drain``)."""
+
+    async def read() -> None:
+        seen = 0
+        async for chunk in requests:
+            seen += len(chunk) if isinstance(chunk, bytes) else chunk.ByteSize()
+            if seen > limit_bytes:
+                return
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        pass
 
 
 def kv_receiver_handler(

@@ -16,6 +16,7 @@ from vlkv.common.security import SecurityConfig
 __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where callers look for them
 
 DEFAULT_PROMPT_WEIGHT = 1000.0  # PoolConfig.prompt_weight
+DRAIN_BYTES = 64 << 20  # TransferConfig.drain_bytes, and the tools' TransferKV handler (grpc_transport)
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 KV_TRANSPORTS = ("auto", "grpc", "nixl")
 KV_DTYPES = ("fp16", "int8", "fp8")  # handoff.quantize.KV_DTYPES
@@ -152,8 +153,8 @@ class TransferConfig:
     write_window_s: float = 10.0  # NIXL: the sender writes within this; blocks of a broken write wait it out
     max_transfers: int = 32  # decode side: hand-offs in progress at once (more: RESOURCE_EXHAUSTED)
     drain_bytes: int = (
-        64 << 20
-    )  # decode side: what a refused gRPC sender may still stream (to see the status)
+        DRAIN_BYTES  # decode side: what a refused gRPC sender may still stream (to see the status)
+    )
     unclaimed_lease_s: float = 5.0  # decode side: a cache no Decode call claims is freed after this
     max_unclaimed_per_sender: int = 8  # decode side: unclaimed caches one sending host may park at once
     # Prefill side: decode workers it may send to besides those registered at run time (allow_decode); in

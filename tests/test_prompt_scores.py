@@ -15,6 +15,7 @@ from vlkv.deploy.inprocess import InProcessEngine
 from tests.kv_wire_helpers import FakePool, encode, make_ckv
 from tests.test_compression_policies import TAU, M, make_inputs, stats_for
 from tests.test_decode_recompress import _caches, tiny  # noqa: F401 - the fixture
+from tests.test_kv_wire import run
 
 
 @pytest.mark.parametrize("name", ["vlcache", "h2o", "snapkv"])
@@ -50,18 +51,11 @@ def _scored(lengths=(1, 2, 5), m=5) -> CompactKV:
 
 def test_scores_cross_the_wire_bit_for_bit():
     ckv = _scored()
-    header, out = _assemble(ckv)
+    header, out = run(FakePool(), ckv, encode(ckv))
     assert len(header.prompt_scores) == 3
     assert all(torch.equal(a, b) for a, b in zip(out.prompt_scores, ckv.prompt_scores, strict=True))
     plain = make_ckv(torch.float16, [1, 2, 5], m=5)
-    assert _assemble(plain)[1].prompt_scores is None
-
-
-def _assemble(ckv):
-    asm = FakePool().assembler(ckv)
-    for c in encode(ckv):
-        asm.feed(c)
-    return asm.finish()
+    assert run(FakePool(), plain, encode(plain))[1].prompt_scores is None
 
 
 @pytest.mark.parametrize(
@@ -81,11 +75,8 @@ def test_bad_scores_are_refused_before_any_block_is_taken(edit):
     chunks = encode(ckv)
     edit(chunks[0].header)
     pool = FakePool()
-    asm = pool.assembler(ckv)
     with pytest.raises(KVWireError) as exc:
-        for c in chunks:
-            asm.feed(c)
-        asm.finish()
+        run(pool, ckv, chunks)
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_scores" in exc.value.message
     assert pool.allocs == 0
     with pytest.raises(KVWireError):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 
 import grpc
 import torch
+from vlkv.common.config import DRAIN_BYTES
 from vlkv.common.errors import refusal_of
 from vlkv.common.handoff.assembler import KVAssembler
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -29,7 +30,6 @@ from vlkv.v1 import kv_pb2, worker_pb2
 TRANSFER_KV_METHOD = "/vlkv.v1.DecodeWorker/TransferKV"
 # Room for the header (validate_header caps it at 64 KiB by default) and protobuf framing.
 MESSAGE_OVERHEAD_BYTES = 1 << 17
-DRAIN_BYTES = 64 << 20  # what a refused sender may still stream before the status goes out anyway
 
 Layers = Iterable[tuple[torch.Tensor, torch.Tensor]]
 

@@ -164,12 +164,17 @@ class NixlAgent:
         if self._watchers.get(key) is q:  # a newer transfer of the same request keeps its own
             del self._watchers[key]
 
+    def progress(self) -> dict:
+        """Progress this agent's UCX worker (which also lands UCX-over-TCP writes into it: the target must
+        progress) and return the notifications that arrived, by sending agent."""
+        with self._lock:
+            return self._agent.get_new_notifs()
+
     async def _poll(self) -> None:
         idle = POLL_S
         while self._watchers:
             try:
-                with self._lock:
-                    notifs = self._agent.get_new_notifs()  # progresses the UCX worker
+                notifs = self.progress()
             except Exception:  # noqa: BLE001
                 log.debug("NIXL progress failed", exc_info=True)
                 notifs = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,12 +130,10 @@ def serve_raw(nbytes: int, port_q: mp.Queue, stop: mp.Event) -> None:
     into, and nothing else (no admission, regions, checksums). Puts ``(agent name, metadata, buffer
     address)`` on ``port_q``; progresses the agent every ``POLL_S`` (UCX over TCP needs the target to) until
     ``stop`` is set."""
-    import time
-
     agent = NixlAgent("raw-receiver")
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     agent.register([buf])
     port_q.put((agent.name, agent.metadata, buf.data_ptr()))
     while not stop.is_set():
-        agent._agent.get_new_notifs()  # progress only
+        agent.progress()  # its notifications are not used
         time.sleep(POLL_S)

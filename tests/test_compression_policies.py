@@ -99,8 +99,8 @@ def test_policy_invariants(name, allocator, heads, kv_heads):
             continue
         recent = recent_count(k_l)
         assert recent == math.ceil(0.1 * k_l - 1e-9)
-        if policy.post_vision_window:  # vlcache: the post-vision tokens too, up to half the budget
-            recent = max(recent, min(TAU, k_l // 2))
+        if policy.post_vision_window:  # vlcache: the post-vision tokens too (up to half), then the window
+            recent = min(k_l, min(TAU, k_l // 2) + recent)
         assert bool((idx[:, k_l - recent :] == torch.arange(M - recent, M)).all()), "recent window"
         scores = policy.score(layer, stats[layer], ks[layer], vs[layer], M, TAU)
         want = expected_scores(name, stats[layer], kv_heads, M)
@@ -281,10 +281,10 @@ def test_settings_full_cache_and_admission_estimate():
     assert all(a is b for a, b in zip(compact.keys, ks, strict=True))
 
 
-def test_vlcache_recent_window_covers_the_post_vision_tokens_up_to_half_the_budget():
+def test_vlcache_keeps_the_post_vision_tokens_and_the_recent_window_before_them():
     policy, plain = get_policy("vlcache"), get_policy("snapkv")
     scores = torch.arange(100, dtype=torch.float32).flip(0)[None]  # older tokens score higher
-    for k, tau, recent in ((40, 10, 10), (12, 10, 6), (40, 2, 4), (40, 100, 4), (40, 0, 4)):
+    for k, tau, recent in ((40, 10, 14), (12, 10, 8), (40, 2, 6), (40, 100, 4), (40, 0, 4), (1, 10, 1)):
         kept = policy.select(scores, k, tau)
         # the last `recent` positions, then the best-scoring (oldest) ones
         want = torch.cat([torch.arange(k - recent), torch.arange(100 - recent, 100)])

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_kv_table_runs_the_long_kind_and_re_compresses_only_when_asked(tmp_path, capsys):
-    from vlkv.common.config import ModelConfig
+    from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, ModelConfig
     from vlkv.common.model.loading import load_model, load_processor
     from vlkv.tools.eval.evaluation import evaluate, prepare
     from vlkv.tools.eval.kv_storage import run_kv_table
@@ -43,9 +43,17 @@ def test_kv_table_runs_the_long_kind_and_re_compresses_only_when_asked(tmp_path,
     assert [rows[f][3] for f in ("fp16", "int8", "fp8")] == ["fp16", "int8", "fp8"]
     long_full, off, alone, on = (rows[k] for k in list(rows)[3:])
     assert long_full[1] == off[1] == alone[1] == on[1] == "colour_of_shape_long"
-    assert "prompt weight 0" in alone[5] and "prompt weight 1000" in on[5]
+    assert "prompt weight 0" in alone[5] and f"prompt weight {DEFAULT_PROMPT_WEIGHT:g}" in on[5]
     # the long answers run to their end (69 tokens, eos included), not to a forced length
     assert 60 <= float(long_full[7]) <= 72 and float(long_full[6]) >= 0.75
     # re-compression cuts tokens only when it is on, as many whatever it ranks them by
     assert int(long_full[8]) == int(off[8]) == 0 < int(on[8]) == int(alone[8])
     assert "long answers, re-compression on vs off" in capsys.readouterr().out
+
+
+def test_a_one_point_drop_is_exactly_one_point_not_a_float_miss():
+    from vlkv.tools.eval.kv_storage import TARGET_POINTS, _points
+
+    assert (289 / 300 - 292 / 300) * 100 < -TARGET_POINTS  # the float noise the rounding removes
+    assert _points(289 / 300, 292 / 300) == -TARGET_POINTS
+    assert _points(288 / 300, 292 / 300) < -TARGET_POINTS

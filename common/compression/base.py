@@ -46,8 +46,8 @@ class Policy:
     allocator: layer budget allocator, a name registered in ``allocators.py``.
     exact_budget: for the sparsity allocator, hit ``round(alpha * L * m)`` exactly (see budgets.py).
     recent_ratio: fraction of each layer's budget spent on the most recent tokens.
-    post_vision_window: the recent window also covers the post-vision tokens (the last ``tau``, when the
-    prompt has vision tokens), up to half the budget (``select``).
+    post_vision_window: the post-vision tokens (the last ``tau``, when the prompt has vision tokens) are kept
+    too, up to half the budget, and the recent window is counted before them (``select``).
     pyramid_beta, cake_tau1, cake_tau2: parameters of the pyramid and CAKE allocators.
     """
 
@@ -115,16 +115,17 @@ class Policy:
     def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
         """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
 
-        The last ``recent_count(k)`` positions are always kept (with ``post_vision_window`` and
-        ``0 < tau < m``: the last ``tau`` too, up to half of k); the rest are the top scores among the
-        earlier positions, chosen per KV head.
+        The last ``recent_count(k)`` positions are always kept. With ``post_vision_window`` and
+        ``0 < tau < m`` the last ``min(tau, k // 2)`` (the post-vision text, the score's own window) are
+        kept as well and the recent window is the ``recent_count(k)`` positions before them (the end of the
+        last image). The rest are the top scores among the earlier positions, chosen per KV head.
         """
         kv_heads, m = scores.shape
         if not 1 <= k <= m:
             raise ValueError(f"budget {k} outside [1, m={m}]")
         recent = recent_count(k, self.recent_ratio)
         if self.post_vision_window and 0 < tau < m:
-            recent = max(recent, min(tau, k // 2))
+            recent = min(k, min(tau, k // 2) + recent)
         tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
         top = scores[:, : m - recent].float().nan_to_num(nan=-math.inf).topk(k - recent, dim=-1).indices
         return torch.cat([top, tail], dim=-1).sort(dim=-1).values

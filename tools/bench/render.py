@@ -407,8 +407,8 @@ def _fidelity_section(res: Results) -> list[str]:
             "- SnapKV, each at its defaults: kvpress keeps the whole observation window (w tokens, forced by "
             "giving them the maximum score) and smooths with an average pool of width 5; vlkv keeps a recent "
             "window of ceil(10% of k) tokens and smooths with a max pool of width 7 (a strongly attended "
-            "token pulls its neighbours in). When k <= w (k = 5-13 here) kvpress's top-k falls entirely "
-            "inside its tied window scores and the choice among them is topk's tie order.",
+            "token pulls its neighbours in). When k <= w (prompts of under ~80 tokens at 10%) kvpress's top-k "
+            "falls entirely inside its tied window scores and the choice among them is topk's tie order.",
             "- StreamingLLM, matched k: both keep 4 sinks + the most recent k - 4 tokens: identical. At "
             "defaults they differ only in k: vlkv ceil(0.1 m), kvpress int(m (1 - 0.9)) (floor, and one "
             "lower again when m (1 - 0.9) lands just below an integer in floating point).",

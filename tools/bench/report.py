@@ -413,7 +413,10 @@ def probe_capacity(gateway: str, reqs: list, wl: Workloads, label: str, limit: i
     held, usage = [], []
     refusal = ""
     t0 = time.perf_counter()
-    with grpc.insecure_channel(prefill[0]) as ch:
+    with (
+        grpc.insecure_channel(prefill[0]) as ch,
+        Progress(None, f"[bench] capacity {label}", "caches admitted") as bar,
+    ):
         stub = worker_pb2_grpc.PrefillWorkerStub(ch)
         for i in range(limit):
             req = reqs[i % len(reqs)]
@@ -428,9 +431,7 @@ def probe_capacity(gateway: str, reqs: list, wl: Workloads, label: str, limit: i
                 break
             held.append(rid)
             usage.append(reply)
-            sys.stderr.write(f"\r[bench] {label}: {len(held)} caches admitted ")
-            sys.stderr.flush()
-    sys.stderr.write("\n")
+            bar.update()
     fill_s = time.perf_counter() - t0
     load_full = decode_load(decode[0])
     public = ""

@@ -136,15 +136,16 @@ def run_ablation(args, model, processor, prepared, full_accuracy: float, start: 
     n = len(prepared)
     pos = [Positions(p, processor, image_token_id) for p in prepared]
     mnt = args.max_new_tokens
+    split = getattr(args, "split", "heldout")
 
     def run(policy, budget, **params):
         caches = [compress(p, policy, budget, **params) for p in prepared]
         return evaluate_caches(model, processor, prepared, caches, policy, budget, mnt)
 
     md = [
-        f"# VL-Cache ablations ({n} held-out examples, full cache {full_accuracy:.3f})",
+        f"# VL-Cache ablations ({n} examples of split {split}, full cache {full_accuracy:.3f})",
         "",
-        f"Command: `vlkv eval --ablation -n {n}`",
+        f"Command: `vlkv eval --ablation -n {n}{'' if split == 'heldout' else f' --split {split}'}`",
         "",
         "## 1. Scorer / allocator / window swaps (accuracy; mean k_l per layer at 10%)",
         "",

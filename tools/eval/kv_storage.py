@@ -29,6 +29,11 @@ from vlkv.tools.task.synthetic_task import LONG_KIND, LONG_MAX_NEW_TOKENS, make_
 TARGET_POINTS = 1.0
 
 
+def _points(accuracy: float, reference: float) -> float:
+    """accuracy - reference in percentage points, rounded to 1e-6 (ties stay ties)."""
+    return round((accuracy - reference) * 100, 6)
+
+
 def run_kv_table(args, model, processor, prepared, full, start) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,9 +88,10 @@ def run_kv_table(args, model, processor, prepared, full, start) -> int:
             flush=True,
         )
     names = list(runs)
-    quant = {fmt: (res[fmt].accuracy - res["fp16"].accuracy) * 100 for fmt in ("int8", "fp8")}
-    recomp = (res[names[-1]].accuracy - res[names[-3]].accuracy) * 100
-    mass_alone = (res[names[-2]].accuracy - res[names[-3]].accuracy) * 100
+    # rounded so that float noise (0.9633 - 0.9733 = -1.0000000x points) does not turn a tie into a miss
+    quant = {fmt: _points(res[fmt].accuracy, res["fp16"].accuracy) for fmt in ("int8", "fp8")}
+    recomp = _points(res[names[-1]].accuracy, res[names[-3]].accuracy)
+    mass_alone = _points(res[names[-2]].accuracy, res[names[-3]].accuracy)
     md = [
         f"# KV storage: {policy} at {budget:.0%}, {len(prepared)} examples of split "
         f"{getattr(args, 'split', 'heldout')} "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from vlkv.common.handoff.quantize import quantize_k_with, quantize_v
 from vlkv.common.model.attention import use_vlkv_attention
+from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.loading import language_model
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.kernels.paged_decode import paged_decode_attention
@@ -120,7 +121,7 @@ class ModelRunner:
                 hidden,
                 attention_mask=None,
                 position_ids=positions,
-                past_key_values=paged,
+                **cache_arg(layer, paged),
                 use_cache=True,
                 position_embeddings=position_embeddings,
                 vlkv_decode=paged,

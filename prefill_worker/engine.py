@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
+from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.inputs import ModalityMap
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
@@ -82,7 +83,7 @@ class PrefillEngine:
         try:
             out = self.model(
                 input_ids=req.input_ids.to(self.device),
-                past_key_values=cache,
+                **cache_arg(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
                 vlkv_stats=observer,

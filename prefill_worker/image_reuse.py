@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 from vlkv.common.errors import InvalidInput
+from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.loading import language_model
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
@@ -190,7 +191,7 @@ class ImageReuser:
         cache = DynamicCache(config=self.model.config.text_config)
         out = self.model(
             inputs_embeds=embeds,
-            past_key_values=cache,
+            **cache_arg(self.model, cache),
             use_cache=True,
             logits_to_keep=1,
             vlkv_stats=observer,

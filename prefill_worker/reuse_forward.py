@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.loading import language_model
 
 ROTATION_ROPE_TYPES = ("default", "linear", "llama3")
@@ -125,7 +126,7 @@ def reuse_forward(
             hidden,
             attention_mask=mask[None, None],
             position_ids=rows[None],
-            past_key_values=_LayerKV(k_full, v_full, rows),
+            **cache_arg(lm.layers[layer_idx], _LayerKV(k_full, v_full, rows)),
             use_cache=True,
             position_embeddings=(cos[:, rows], sin[:, rows]),
             vlkv_stats=observer,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.tools.eval.evaluation import compress, decode_batch
 from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, is_correct, prompt_text
 
@@ -109,7 +110,7 @@ def _capture_prefill(model, processor, example) -> dict:
     cap = _Capture(lm.layers)
     cache = DynamicCache(config=model.config.text_config)
     try:
-        logits = model(**inputs, past_key_values=cache, use_cache=True, output_attentions=True).logits
+        logits = model(**inputs, **cache_arg(model, cache), use_cache=True, output_attentions=True).logits
     finally:
         cap.remove()
     layers = []
@@ -159,7 +160,7 @@ def _hook_error(kvpress, model, processor, example) -> str:
     inputs = processor(images=example.images, text=prompt_text(processor, example), return_tensors="pt")
     try:
         with torch.inference_mode(), kvpress.StreamingLLMPress(compression_ratio=0.5)(model):
-            model(**inputs, past_key_values=DynamicCache(config=model.config.text_config), use_cache=True)
+            model(**inputs, **cache_arg(model, DynamicCache(config=model.config.text_config)), use_cache=True)
     except Exception as exc:  # the point is to record it
         return f"{exc.__class__.__name__}: {exc}"
     return ""

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
@@ -111,7 +112,7 @@ def _next_attention(model, keys: list, values: list, first: int, m: int) -> list
     step = _Recorder()
     model(
         input_ids=torch.tensor([[first]], device=keys[0].device),
-        past_key_values=cache,
+        **cache_arg(model, cache),
         use_cache=True,
         position_ids=torch.tensor([[m]], device=keys[0].device),
         vlkv_stats=step,

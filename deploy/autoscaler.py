@@ -1,6 +1,6 @@
 """Replica counts for the prefill and decode pools, decided from live load; Ray does the placing.
 
-Every ``interval_s`` the autoscaler refreshes each worker's load (``GetLoad``) and:
+Every ``interval_s`` the autoscaler reads each worker's last pushed load (the router keeps it, ``WatchLoad``) and:
 - replaces workers whose actor died (they leave the router at once, so no new request goes there);
 - prefill: wants ``ceil(ongoing_and_queued / target_ongoing)`` replicas (TTFT pressure), where ongoing and
   queued is what the gateway has in flight on prefill workers plus what they report waiting;
@@ -9,6 +9,10 @@ Every ``interval_s`` the autoscaler refreshes each worker's load (``GetLoad``) a
 - both clipped to ``[min_replicas, max_replicas]``. Scaling up starts actors at once; scaling down waits
   until the lower demand has lasted ``downscale_delay_s``, then drains the least-busy replica: it leaves
   the routing tables, finishes what it has, and only then is its actor stopped. No request is lost.
+  A replica younger than ``min_uptime_s`` is never drained (no worker started and stopped within it).
+
+Time is the event loop's (``vlkv simulate`` runs this class unchanged on a virtual clock); the replicas'
+processes are reached through ``replicas_api`` (``RayReplicas``: Ray actors; the simulator: simulated ones).
 """
 
 from __future__ import annotations
@@ -44,13 +48,41 @@ class PoolSpec:
             raise ValueError("target must be > 0")
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
     kind: str
     actor: object
     address: str = ""
     state: str = "starting"  # starting -> serving -> draining -> gone
     misses: int = 0
+    started_at: float = 0.0  # event-loop time it started serving
+
+
+class RayReplicas:
+    """What the autoscaler does to a replica's process, for Ray actors (``deploy/actors.py``)."""
+
+    async def alive(self, r: Replica) -> bool:
+        try:
+            await asyncio.wait_for(r.actor.address.remote(), timeout=2.0)
+            return True
+        except Exception:
+            return False
+
+    def drain(self, r: Replica) -> None:
+        r.actor.drain.remote()
+
+    async def stop(self, r: Replica) -> None:
+        try:
+            await asyncio.wait_for(r.actor.stop.remote(), timeout=30)
+        except Exception as exc:
+            log.warning("stopping drained %s worker %s: %s", r.kind, r.address, exc)
+        self.kill(r)
+
+    def kill(self, r: Replica) -> None:
+        try:
+            ray.kill(r.actor)
+        except Exception:
+            pass
 
 
 @dataclass
@@ -60,6 +92,8 @@ class Event:
     action: str
     replicas: int
     reason: str
+    at: float = 0.0  # event-loop time
+    address: str = ""
 
 
 @dataclass
@@ -69,6 +103,8 @@ class Autoscaler:
     specs: dict[str, PoolSpec]
     interval_s: float = 1.0
     downscale_delay_s: float = 5.0
+    min_uptime_s: float = 0.0
+    replicas_api: object = field(default_factory=RayReplicas)
     replicas: list[Replica] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     metrics: object = None  # GatewayMetrics to export the loads to
@@ -78,9 +114,10 @@ class Autoscaler:
     def serving(self, kind: str) -> list[Replica]:
         return [r for r in self.replicas if r.kind == kind and r.state in ("starting", "serving")]
 
-    def _event(self, kind: str, action: str, reason: str) -> None:
+    def _event(self, kind: str, action: str, reason: str, address: str = "") -> None:
         n = len([r for r in self.replicas if r.kind == kind and r.state == "serving"])
-        self.events.append(Event(time.time(), kind, action, n, reason))
+        now = asyncio.get_running_loop().time()
+        self.events.append(Event(time.time(), kind, action, n, reason, now, address))
         log.info("autoscaler: %s %s -> %d serving (%s)", kind, action, n, reason)
 
     def start(self) -> None:
@@ -119,7 +156,6 @@ class Autoscaler:
         return max(spec.min_replicas, min(spec.max_replicas, want))
 
     async def tick(self) -> None:
-        await self.router.poll_all()
         if self.metrics is not None:
             record_loads(self.metrics, self.router)
         await self._reap_dead()
@@ -135,24 +171,17 @@ class Autoscaler:
                 r.misses = 0
                 continue
             r.misses += 1
-            try:
-                await asyncio.wait_for(r.actor.address.remote(), timeout=2.0)
-                alive = True
-            except Exception:
-                alive = False
+            alive = await self.replicas_api.alive(r)
             if not alive or r.misses >= 3:
                 r.state = "gone"
                 await self.router.remove(r.address)
-                try:
-                    ray.kill(r.actor)
-                except Exception:
-                    pass
-                self._event(r.kind, "removed", "worker died or stopped answering")
+                self.replicas_api.kill(r)
+                self._event(r.kind, "removed", "worker died or stopped answering", r.address)
 
     async def _scale(self, kind: str) -> None:
         want = self.desired(kind)
         have = len(self.serving(kind))
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         if want > have:
             self._low_since.pop(kind, None)
             await asyncio.gather(
@@ -173,20 +202,25 @@ class Autoscaler:
             replica = await self.start_actor(kind)
         finally:
             self.replicas.remove(placeholder)
+        replica.started_at = asyncio.get_running_loop().time()
         self.replicas.append(replica)
         (self.router.add_prefill if kind == "prefill" else self.router.add_decode)(replica.address)
-        self._event(kind, "up", reason)
+        self._event(kind, "up", reason, replica.address)
 
     def _drain_one(self, kind: str, reason: str) -> None:
         pool = self.router.prefill if kind == "prefill" else self.router.decode
-        candidates = [r for r in self.replicas if r.kind == kind and r.state == "serving"]
-        if len(candidates) <= self.specs[kind].min_replicas:
+        serving = [r for r in self.replicas if r.kind == kind and r.state == "serving"]
+        if len(serving) <= self.specs[kind].min_replicas:
+            return
+        now = asyncio.get_running_loop().time()
+        candidates = [r for r in serving if now - r.started_at >= self.min_uptime_s]
+        if not candidates:
             return
         victim = min(candidates, key=lambda r: pool[r.address].in_flight if r.address in pool else 0)
         victim.state = "draining"
         self.router.set_draining(victim.address)
-        victim.actor.drain.remote()
-        self._event(kind, "drain", reason)
+        self.replicas_api.drain(victim)
+        self._event(kind, "drain", reason, victim.address)
 
     async def _finish_drains(self) -> None:
         for r in [r for r in self.replicas if r.state == "draining"]:
@@ -197,9 +231,5 @@ class Autoscaler:
                 continue
             r.state = "gone"
             await self.router.remove(r.address)
-            try:
-                await asyncio.wait_for(r.actor.stop.remote(), timeout=30)
-            except Exception as exc:
-                log.warning("stopping drained %s worker %s: %s", r.kind, r.address, exc)
-            ray.kill(r.actor)
-            self._event(r.kind, "removed", "drained")
+            await self.replicas_api.stop(r)
+            self._event(r.kind, "removed", "drained", r.address)

@@ -53,6 +53,8 @@ class Running:
     async def stop(self) -> None:
         if hasattr(self.servicer, "draining"):
             self.servicer.draining = True
+        if hasattr(self.servicer, "load_stream"):
+            self.servicer.load_stream.close()  # the gateways' WatchLoad streams end now, not at the grace
         await self.server.stop(self.grace_s)
         stop = getattr(self.servicer, "stop", None)
         if stop is not None:

@@ -11,7 +11,7 @@ match, so a corrupt or foreign entry is a miss, never served.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +74,20 @@ class CacheStats:
     rejected: int = 0  # entries found but refused (foreign or corrupt) and dropped
 
 
+CHANGE_LOG = 4096  # entries added or dropped that a load stream can catch up on (older: a full listing)
+
+
+@dataclass(slots=True)
+class CacheChanges:
+    """What changed since a version (``ImageCache.changes_since``): keys added and dropped, or with ``full``
+    every key held now (the caller was too far behind the change log)."""
+
+    version: int
+    added: list[ImageKey]
+    dropped: list[ImageKey]
+    full: bool
+
+
 class ImageCache:
     """LRU by bytes; thread-safe (the prefill thread writes, the event loop reads the statistics)."""
 
@@ -85,6 +99,8 @@ class ImageCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self._stats = CacheStats(capacity=capacity_bytes)
+        self.version = 0  # one per key added or dropped
+        self._log: deque[tuple[int, bool, ImageKey]] = deque(maxlen=CHANGE_LOG)  # (version, added, key)
 
     @property
     def enabled(self) -> bool:
@@ -124,11 +140,35 @@ class ImageCache:
                 self._stats.evictions += 1
             self._entries[key] = entry
             self._bytes += size
+            self._note(True, key)
             return True
 
     def _drop(self, key: ImageKey) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
+        self._note(False, key)
+
+    def _note(self, added: bool, key: ImageKey) -> None:
+        self.version += 1
+        self._log.append((self.version, added, key))
+
+    def changes_since(self, version: int) -> CacheChanges:
+        """Keys added and dropped after ``version`` (-1: none seen yet, so every key held now)."""
+        with self._lock:
+            if version == self.version:
+                return CacheChanges(version, [], [], False)
+            if version < 0 or not self._log or self._log[0][0] > version + 1:
+                return CacheChanges(self.version, list(self._entries), [], True)
+            added: dict[ImageKey, bool] = {}
+            for v, was_added, key in self._log:
+                if v > version:
+                    added[key] = was_added  # the last change of a key is what holds now
+            return CacheChanges(
+                self.version,
+                [k for k, a in added.items() if a],
+                [k for k, a in added.items() if not a],
+                False,
+            )
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -25,6 +25,7 @@ from vlkv.common.grpc_server import abort_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
 from vlkv.common.handoff.quantize import quantize_compact
 from vlkv.common.handoff.wire import KVWireError, compact_header
+from vlkv.common.load_stream import LoadStream
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import from_prefill_proto
 from vlkv.prefill_worker.engine import PrefillEngine
@@ -47,8 +48,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.waiting = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-prefill")
         self.peers = DecodePeers(cfg, nixl)
+        self.load_stream = LoadStream()
 
     async def stop(self) -> None:
+        self.load_stream.close()
         await self.peers.close()
         self._executor.shutdown(wait=True)
 
@@ -114,7 +117,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         finally:
             self.running -= 1
 
-    async def GetLoad(self, request, context):
+    def load(self) -> worker_pb2.WorkerLoad:
         return worker_pb2.WorkerLoad(
             address=self.address,
             running=self.running,
@@ -123,6 +126,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             model_fingerprint=self.spec.fingerprint,
             image_cache=cache_stats_proto(self.image_cache),
         )
+
+    async def GetLoad(self, request, context):
+        return self.load()
+
+    async def WatchLoad(self, request, context):
+        """``load()`` pushed on change and every second, with the image-cache entries added and evicted."""
+        seen = -1  # the image cache's version this stream reported last
+
+        def changes(report: worker_pb2.WorkerLoad) -> bool:
+            nonlocal seen
+            delta = self.image_cache.changes_since(seen)
+            seen = delta.version
+            report.images_full = delta.full
+            report.images_added.extend(
+                worker_pb2.ImageDigest(image_hash=k.image_hash, tenant=k.tenant) for k in delta.added
+            )
+            report.images_evicted.extend(
+                worker_pb2.ImageDigest(image_hash=k.image_hash, tenant=k.tenant) for k in delta.dropped
+            )
+            return bool(delta.full or delta.added or delta.dropped)
+
+        async for report in self.load_stream.watch(self.load, changes):
+            yield report
 
 
 def cache_stats_proto(cache: ImageCache) -> worker_pb2.ImageCacheStats:

@@ -5,8 +5,9 @@ placeholders, prompt length, sampling and compression parameters), picks a decod
 least-loaded prefill worker, opens the decode worker's token stream, and starts the prefill (which hands
 the cache to that decode worker). A prefill failure cancels the token stream and ends the call with the
 prefill's status; a client that goes away cancels both. A decode worker that refuses the cache for lack of
-blocks (the load the gateway chose it on was stale: other requests took the room first) costs one more
-pick, waiting in the admission queue, and one more prefill.
+blocks (the load the gateway chose it on was stale: other requests, or other gateways, took the room
+first) costs one more pick, waiting in the admission queue, and one more prefill, for as long as the
+request's admission wait (``queue.admit_wait_s``) lasts: several gateways may share the workers.
 
 Validation (image decoding, the processor, tokenizing) is CPU-bound and runs in a small thread pool, never
 on the event loop, so a large request does not stall the others. Workers see only ids the gateway draws
@@ -39,7 +40,8 @@ from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID = 128
-HAND_OFF_ATTEMPTS = 2  # a decode worker that refuses a cache for room gets one more pick (and prefill)
+# A decode worker that refuses a cache for room (another gateway took it first, or the load was stale): the
+# request waits in the admission queue again (and is prefilled again) until its admission wait is spent.
 PREPARE_THREADS = 4  # requests validated at once (image decoding, processor); the rest wait their turn
 Code = grpc.StatusCode
 # The codes a public call can end with (README "Public API"); CANCELLED only when the client cancels.
@@ -200,9 +202,13 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         sampling = req.sampling
         prefill_req = to_prefill_proto(req, decode_address="")  # serialized once, re-addressed per attempt
         queue = self.cfg.queue
-        for attempt in range(HAND_OFF_ATTEMPTS):
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + queue.admit_wait_s
+        attempt = 0
+        while True:
+            wait_s = queue.admit_wait_s if attempt == 0 else max(give_up - loop.time(), 0.0)
             slot = await self.router.pick_decode(
-                layer_tokens, sampling.max_new_tokens, queue.admit_wait_s, queue.max_waiting
+                layer_tokens, sampling.max_new_tokens, wait_s, queue.max_waiting
             )
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
@@ -211,7 +217,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     yield resp
                 return
             except _NoRoom as exc:  # the load it was picked on is stale; the worker's exact count disagreed
-                if attempt + 1 == HAND_OFF_ATTEMPTS:
+                attempt += 1
+                self.router.note_refusal(slot.worker)
+                if loop.time() >= give_up:
                     raise exc.error from None
                 self.metrics.hand_off_retries.inc()
                 log.info("request %s: %s; waiting for room again", rid, exc.error.message)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import struct
@@ -294,7 +295,10 @@ def failing_decode(cluster):
             port = server.add_insecure_port("127.0.0.1:0")
             servicer.address = f"127.0.0.1:{port}"
             await server.start()
-            cluster.gateway.servicer.router.add_decode(servicer.address)  # its channel: on the loop
+            router = cluster.gateway.servicer.router
+            router.add_decode(servicer.address)  # its channel: on the loop
+            while router.decode[servicer.address].index < 0:  # routed to once its first load report came
+                await asyncio.sleep(0.01)
             return server, servicer.address
 
         server, address = cluster.run(up())

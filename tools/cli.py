@@ -593,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="where to write (default: <model>/reuse_calibration.json)")
     p.set_defaults(func=cmd_calibrate_reuse)
 
+    from vlkv.tools.sim import main as sim_main
+
+    sim_main.add_parser(sub)  # simulate
+    sim_main.add_profile_parser(sub)  # profile
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from vlkv.common.config import ConfigError

@@ -117,7 +117,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes")
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,9 @@ class WorkerLoad(_message.Message):
     IMAGE_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ADDED_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FULL_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     waiting: int
@@ -148,7 +151,18 @@ class WorkerLoad(_message.Message):
     image_cache: ImageCacheStats
     kv_dtype: str
     block_bytes: int
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    images_added: _containers.RepeatedCompositeFieldContainer[ImageDigest]
+    images_evicted: _containers.RepeatedCompositeFieldContainer[ImageDigest]
+    images_full: bool
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ...) -> None: ...
+
+class ImageDigest(_message.Message):
+    __slots__ = ("image_hash", "tenant")
+    IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    image_hash: str
+    tenant: str
+    def __init__(self, image_hash: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ImageCacheStats(_message.Message):
     __slots__ = ("entries", "bytes_held", "capacity_bytes", "hits", "misses", "evictions")

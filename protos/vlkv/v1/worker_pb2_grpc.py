@@ -46,6 +46,11 @@ class PrefillWorkerStub:
                 request_serializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/vlkv.v1.PrefillWorker/WatchLoad',
+                request_serializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
+                response_deserializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -64,6 +69,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The worker's load, pushed: one report at once, then one whenever it changes and at least every second
+        (with the image-cache entries added and evicted since the stream's previous report).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
+                    request_deserializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.FromString,
+                    response_serializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
                     request_deserializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
@@ -142,6 +160,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vlkv.v1.PrefillWorker/WatchLoad',
+            vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
+            vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -169,6 +214,11 @@ class DecodeWorkerStub:
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/vlkv.v1.DecodeWorker/GetLoad',
+                request_serializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
+                response_deserializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+                _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/vlkv.v1.DecodeWorker/WatchLoad',
                 request_serializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
@@ -205,6 +255,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The worker's load, pushed: one report at once, then one whenever it changes and at least every second.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +282,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
+                    request_deserializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.FromString,
+                    response_serializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
                     request_deserializer=vlkv_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=vlkv_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
@@ -335,6 +397,33 @@ class DecodeWorker:
             request,
             target,
             '/vlkv.v1.DecodeWorker/GetLoad',
+            vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
+            vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vlkv.v1.DecodeWorker/WatchLoad',
             vlkv_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
             vlkv_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
             options,

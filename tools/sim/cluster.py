@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -208,9 +209,16 @@ class Simulation:
         return asyncio.Task(coro, loop=loop, **kwargs)
 
     async def run(self) -> SimResult:
-        cfg, prof = self.cfg, self.prof
         loop = asyncio.get_running_loop()
         wall = time.perf_counter()
+        gc.disable()  # collected once per sampled second instead, outside any router step (sampler)
+        try:
+            return await self._run(loop, wall)
+        finally:
+            gc.enable()
+
+    async def _run(self, loop, wall: float) -> SimResult:
+        cfg, prof = self.cfg, self.prof
         connect = sim_connect(self.workers, prof)
         initial = [self._new_worker("decode") for _ in range(cfg.decode)]
         initial += [self._new_worker("prefill") for _ in range(cfg.prefill)]
@@ -331,6 +339,7 @@ class Simulation:
         total = arrivals[-1] - t0 if arrivals else 0.0
         while True:
             await asyncio.sleep(SAMPLE_S)
+            gc.collect(1)
             now = loop.time()
             n = 0
             while i < len(arrivals) and arrivals[i] <= now:

@@ -73,7 +73,6 @@ class _Reporter:
 
     async def stream(self, snapshot, extra=None):
         loop = asyncio.get_running_loop()
-        seen = -1
         while not self.stopped:
             load = snapshot()
             if extra is not None:
@@ -81,13 +80,17 @@ class _Reporter:
             seen = self.version
             yield load
             await asyncio.sleep(CHECK_EVERY_S)  # reports are at least this far apart
-            if self.version == seen:
+            if self.version == seen:  # wait for a change, or the heartbeat
                 f = loop.create_future()
                 self._wake.append(f)
-                try:
-                    await asyncio.wait_for(f, REPORT_EVERY_S - CHECK_EVERY_S)
-                except TimeoutError:
-                    pass
+                timer = loop.call_later(REPORT_EVERY_S - CHECK_EVERY_S, _resolve, f)
+                await f
+                timer.cancel()
+
+
+def _resolve(f: asyncio.Future) -> None:
+    if not f.done():
+        f.set_result(None)
 
 
 class SimDecode:

@@ -236,16 +236,18 @@ class Router:
         """Keep ``w``'s last report: its load stream, opened again after a break; polls if it has none."""
         delay = RETRY_S
         while pool.get(w.address) is w:
+            reports = 0
             try:
                 async for load in w.stub.WatchLoad(worker_pb2.LoadRequest()):
                     self.on_load(w, load)
+                    reports += 1
                     delay = RETRY_S
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.debug("load stream of %s broke: %s", w.address, exc.code().name)
+                if not reports and await self._poll(w) is not None:  # it answers, but streams no load
                     w.polled = True
                     await self._poll_forever(w, pool)
                     return
-                log.debug("load stream of %s broke: %s", w.address, exc.code().name)
             self._lost(w)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
@@ -371,6 +373,9 @@ class Router:
             raise Unavailable("no decode worker is registered")
         if self.strategy == "poll":
             return await self._poll_decode(layer_tokens, max_new_tokens)
+        pool = self.decode
+        if not pool.live:  # none reported lately (a gateway just started, a worker back from a pause): ask
+            await asyncio.gather(*(self._poll(w) for w in list(pool.values())[: self.sample_k]))
         largest = self._largest
         if largest is not None and largest.total_blocks < _blocks_needed(
             largest, layer_tokens, max_new_tokens, whole=True
@@ -378,7 +383,6 @@ class Router:
             raise ResourceExhausted(
                 f"this request (max_new_tokens={max_new_tokens}) needs more KV blocks than a decode worker holds"
             )
-        pool = self.decode
         loop = asyncio.get_running_loop()
         now = loop.time()
         if self.strategy == "kv":
@@ -406,7 +410,7 @@ class Router:
                 need = _blocks_needed(w.load, layer_tokens, max_new_tokens)
                 w.pending_blocks += need
                 return DecodeSlot(w, need)
-        if not pool.live and not any(w.load_at == float("-inf") and not w.failed for w in pool.values()):
+        if not pool.live:
             raise Unavailable("no decode worker is reachable")
         return None
 

@@ -72,11 +72,14 @@ class _Gateway:
     def __init__(self, router: Router, charge: bool) -> None:
         self.router = router
         self.charge = charge
-        self.cpu_ns = 0
+        self.cpu_ns = 0  # all router work
+        self.pick_ns = 0  # of which picks (pick_decode with its admission queue, pick_prefill, note_images)
         self.busy_until = 0.0
 
-    def add(self, ns: int, now: float) -> None:
+    def add(self, ns: int, now: float, pick: bool = False) -> None:
         self.cpu_ns += ns
+        if pick:
+            self.pick_ns += ns
         if self.charge:
             self.busy_until = max(self.busy_until, now) + ns / 1e9
 
@@ -89,24 +92,24 @@ class _Gateway:
 class _Timed(collections.abc.Coroutine):
     """Runs ``coro``, adding the thread CPU time of each of its steps to a gateway."""
 
-    __slots__ = ("coro", "gw", "loop")
+    __slots__ = ("coro", "gw", "loop", "pick")
 
-    def __init__(self, coro, gw: _Gateway, loop) -> None:
-        self.coro, self.gw, self.loop = coro, gw, loop
+    def __init__(self, coro, gw: _Gateway, loop, pick: bool = False) -> None:
+        self.coro, self.gw, self.loop, self.pick = coro, gw, loop, pick
 
     def send(self, value):
         t = time.thread_time_ns()
         try:
             return self.coro.send(value)
         finally:
-            self.gw.add(time.thread_time_ns() - t, self.loop.time())
+            self.gw.add(time.thread_time_ns() - t, self.loop.time(), self.pick)
 
     def throw(self, *args):
         t = time.thread_time_ns()
         try:
             return self.coro.throw(*args)
         finally:
-            self.gw.add(time.thread_time_ns() - t, self.loop.time())
+            self.gw.add(time.thread_time_ns() - t, self.loop.time(), self.pick)
 
     def close(self):
         return self.coro.close()
@@ -140,6 +143,7 @@ class SimResult:
     events: list = field(default_factory=list)  # the autoscaler's
     itl: dict[int, int] = field(default_factory=dict)
     router_cpu_ns: int = 0
+    pick_cpu_ns: int = 0
     wall_s: float = 0.0
     sim_s: float = 0.0
     tokens: int = 0
@@ -275,6 +279,7 @@ class Simulation:
         for e in result.events:
             e.at -= t0
         result.router_cpu_ns = sum(gw.cpu_ns for gw in self.gateways)
+        result.pick_cpu_ns = sum(gw.pick_ns for gw in self.gateways)
         for d in self.decoders.values():
             result.tokens += d.tokens
             for k, n in d.itl.items():
@@ -309,7 +314,7 @@ class Simulation:
             try:
                 t = time.thread_time_ns()
                 prefill = router.pick_prefill(images=req.images, tenant=req.tenant)
-                gw.add(time.thread_time_ns() - t, loop.time())
+                gw.add(time.thread_time_ns() - t, loop.time(), True)
                 prefill.in_flight += 1
                 try:
                     done = await self.workers[prefill.address].prefill(req, decode.address)
@@ -322,7 +327,7 @@ class Simulation:
                     slot.release()
                 t = time.thread_time_ns()
                 router.note_images(prefill.address, req.images, req.tenant)
-                gw.add(time.thread_time_ns() - t, loop.time())
+                gw.add(time.thread_time_ns() - t, loop.time(), True)
                 req.ttft = loop.time() - start
                 await done
                 req.end = loop.time()

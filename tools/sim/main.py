@@ -164,13 +164,16 @@ def add_profile_parser(sub) -> None:
     )
     p.add_argument("--out", default="out/profile.json")
     p.add_argument("--quick", action="store_true", help="fewer requests per point")
+    p.add_argument(
+        "--address", default="", help="measure a running deployment's gateway instead (vlkv serve)"
+    )
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args) -> int:
     from vlkv.tools.sim.measure import measure
 
-    prof = measure(args.model or None, quick=args.quick)
+    prof = measure(args.model or None, quick=args.quick, address=args.address)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
     print(json.dumps(prof.__dict__, indent=1))

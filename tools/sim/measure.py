@@ -52,6 +52,17 @@ class _Servers:
     def run(self, coro, timeout: float = 300):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    @property
+    def address(self) -> str:
+        return self.gateway.address
+
+    @property
+    def spec(self):
+        return self.gateway.servicer.spec
+
+    def decode_load(self) -> tuple[worker_pb2.WorkerLoad, str]:
+        return self.run(self.decode.servicer.GetLoad(worker_pb2.LoadRequest(), None)), self.decode.address
+
     def hand_off(self) -> tuple[float, int]:
         """The gateway's hand-off histogram: (sum of seconds, count)."""
         total = count = 0.0
@@ -70,17 +81,50 @@ class _Servers:
         self.thread.join(10)
 
 
-def measure(model: str | None = None, quick: bool = False) -> Profile:
+class _Remote:
+    """A running deployment (``vlkv serve``) measured through its gateway: the hand-off is not separated
+    from the prefill, and the start-up time is not measured (the profile's default stays)."""
+
+    start_s = Profile.worker_start_s
+
+    def __init__(self, address: str, cfg: ServerConfig) -> None:
+        from vlkv.common.model.spec import ModelSpec
+        from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+        self.address = address
+        tokenizer = load_processor(cfg.model.path).tokenizer
+        self.spec = ModelSpec.from_checkpoint(cfg.model.path, cfg.model.torch_dtype, tokenizer)
+        with grpc.insecure_channel(address) as ch:
+            status = admin_pb2_grpc.AdminStub(ch).GetStatus(admin_pb2.StatusRequest(), timeout=30)
+        self._decode = next(w for w in status.workers if w.kind == "decode")
+        self.block_size = cfg.pool.block_size
+
+    def hand_off(self) -> tuple[float, int]:
+        return 0.0, 0
+
+    def decode_load(self) -> tuple[worker_pb2.WorkerLoad, str]:
+        w = self._decode
+        load = worker_pb2.WorkerLoad(
+            total_blocks=w.total_blocks, block_bytes=w.block_bytes, block_size=self.block_size
+        )
+        return load, w.address
+
+    def close(self) -> None:
+        pass
+
+
+def measure(model: str | None = None, quick: bool = False, address: str = "") -> Profile:
+    """Measure servers started here, or (``address``) a running deployment's gateway."""
     cfg = ServerConfig(model=ModelConfig(path=model or str(DEFAULT_MODEL_DIR)))
-    s = _Servers(cfg)
+    s = _Remote(address, cfg) if address else _Servers(cfg)
     try:
         return _measure(s, cfg, quick)
     finally:
         s.close()
 
 
-def _measure(s: _Servers, cfg: ServerConfig, quick: bool) -> Profile:
-    address = s.gateway.address
+def _measure(s, cfg: ServerConfig, quick: bool) -> Profile:
+    address = s.address
     n = 3 if quick else 6
     run_load(address, synthetic_workload(2, seed=99, max_new_tokens=1), concurrency=1, progress=False)  # warm
     rows, hits, hand = [], [], []  # (text tokens, vision tokens, ttft), (vision, ttft), (bytes, s)
@@ -122,8 +166,8 @@ def _measure(s: _Servers, cfg: ServerConfig, quick: bool) -> Profile:
         res = run_load(address, reqs, concurrency=b, progress=False, label="profile")
         steps.append(percentile([x for r in res.ok for x in r.itl], 50))
 
-    load = s.run(s.decode.servicer.GetLoad(worker_pb2.LoadRequest(), None))
-    with grpc.insecure_channel(s.decode.address) as ch:
+    load, decode_address = s.decode_load()
+    with grpc.insecure_channel(decode_address) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
         rtts = []
@@ -131,11 +175,16 @@ def _measure(s: _Servers, cfg: ServerConfig, quick: bool) -> Profile:
             t = time.perf_counter()
             stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
             rtts.append(time.perf_counter() - t)
-    spec = s.gateway.servicer.spec
+    spec = s.spec
     vision_per_image = int(rows[0][1])
     return Profile(
         machine=f"{platform.node()} {platform.processor() or platform.machine()}, {cfg.model.device}, "
-        f"{cfg.model.torch_threads} torch thread(s) per worker, {time.strftime('%Y-%m-%d')}",
+        f"{cfg.model.torch_threads} torch thread(s) per worker, {time.strftime('%Y-%m-%d')}"
+        + (
+            f", measured through the deployment at {s.address}"
+            if isinstance(s, _Remote)
+            else ", in-process servers"
+        ),
         prefill_base_s=max(float(base), 1e-4),
         prefill_per_token_s=max(float(per_text), 0.0),
         prefill_per_vision_token_s=max(float(per_vision), 0.0),

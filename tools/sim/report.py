@@ -57,6 +57,7 @@ def summarize(res: SimResult) -> dict:
         "flaps": flaps(res.events),
         "decode_max_seen": max((s.decode for s in res.samples), default=cfg.decode),
         "router_cpu_us_per_req": res.router_cpu_ns / 1e3 / max(1, len(res.requests)),
+        "pick_cpu_us_per_req": res.pick_cpu_ns / 1e3 / max(1, len(res.requests)),
         "sim_s": res.sim_s,
         "wall_s": res.wall_s,
     }
@@ -82,6 +83,7 @@ COLUMNS = [
     ("drains", "drains", "{}"),
     ("flaps", "flaps<2min", "{}"),
     ("router_cpu_us_per_req", "router CPU us/req", "{:.0f}"),
+    ("pick_cpu_us_per_req", "of it picks", "{:.0f}"),
     ("sim_s", "sim s", "{:.0f}"),
     ("wall_s", "wall s", "{:.0f}"),
 ]

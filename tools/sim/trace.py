@@ -85,7 +85,7 @@ def replay(path: str | Path) -> tuple[list[SimRequest], dict]:
     for r in sorted(data["records"], key=lambda r: r["start"]):
         if r.get("status", "OK") != "OK":
             continue
-        new = max(1, r.get("generated_tokens") or r.get("tokens") or 1)
+        new = max(1, r.get("tokens") or r.get("generated_tokens") or 1)  # the tokens the client received
         images = tuple(f"rec-{r['index']}-{i}" for i in range(1 if r.get("vision_tokens") else 0))
         out.append(
             SimRequest(len(out), r["start"], r["prompt_tokens"], r.get("vision_tokens", 0), new, images)

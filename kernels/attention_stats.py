@@ -62,14 +62,16 @@ def _scaled_scores(q, k, scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
 
 
-@triton.jit
+# Sizes and strides that vary with the prompt (and the group size) are not specialized on their values, so
+# one program per head dim and dtype serves every prompt: see kernels/specs.py.
+@triton.jit(do_not_specialize=["Tq", "q_start", "stride_rh", "GROUP"])
 def _row_stats_kernel(
     q_ptr, k_ptr, row_max_ptr, row_sumexp_ptr,
     Tq, D, q_start, scale,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_rh, stride_rt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_q = tl.program_id(0)
@@ -99,7 +101,7 @@ def _row_stats_kernel(
     tl.store(row_sumexp_ptr + head * stride_rh + offs_q * stride_rt, l_i, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "m", "q_start", "stride_rh", "stride_ch", "stride_ph", "GROUP"])
 def _col_stats_kernel(
     q_ptr, k_ptr, row_max_ptr, row_sumexp_ptr, col_sum_ptr, part_ptr,
     Tq, m, D, q_start, scale, log_p,
@@ -108,7 +110,7 @@ def _col_stats_kernel(
     stride_rh, stride_rt,
     stride_ch, stride_cn,
     stride_ph, stride_pb,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -141,7 +143,7 @@ def _col_stats_kernel(
     tl.store(part_ptr + head * stride_ph + pid_n * stride_pb, tl.sum(count, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts", "stride_ph"])
 def _sum_counts_kernel(part_ptr, below_ptr, n_parts, stride_ph, stride_pb, BLOCK: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)
     base = part_ptr + head * stride_ph

@@ -90,7 +90,9 @@ def _load_q(
     return q
 
 
-@triton.jit
+# Arguments that vary from one decode step to the next (table width, split count, which group size) are not
+# specialized on their values, so one program serves every step of a deployment: see kernels/specs.py.
+@triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ms", "stride_mh", "GROUP"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
     ks_ptr, vs_ptr, lut_ptr,
@@ -103,7 +105,7 @@ def _split_kernel(
     stride_ts, stride_tb,
     stride_ms, stride_mh, stride_mp,
     stride_as, stride_ah, stride_ap, stride_ad,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
@@ -164,7 +166,7 @@ def _split_kernel(
     tl.store(acc_part_ptr + acc_off, acc, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ms", "stride_mh"])
 def _combine_kernel(
     m_part_ptr, l_part_ptr, acc_part_ptr, out_ptr,
     num_splits, D,
@@ -203,7 +205,7 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ws", "stride_wh", "GROUP"])
 def _mass_kernel(
     q_ptr, k_ptr, tables_ptr, lengths_ptr, m_ptr, l_ptr, ks_ptr, mass_ptr, lut_ptr,
     scale, D, split_tokens,
@@ -213,7 +215,7 @@ def _mass_kernel(
     stride_ts, stride_tb,
     stride_ms, stride_mh,
     stride_ws, stride_wh, stride_wt,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
@@ -284,7 +286,7 @@ def paged_decode_attention(
     out: Tensor | None = None,
     max_length: int | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     validate: bool = True,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
@@ -296,7 +298,9 @@ def paged_decode_attention(
     Triton on CUDA tensors (or with ``force_triton``), the torch reference otherwise.
     ``out`` (Triton path): ``[S, H, D]`` buffer in q's dtype written in place.
     ``max_length``: an upper bound of ``lengths`` (else read from the device, a sync).
-    ``num_splits``: splits per sequence (else sized to the device). ``block_n``: tokens per tile.
+    ``num_splits``: splits per sequence (else sized to the device). ``block_n``: tokens per tile (default
+    64; 32 for fp8 pools, whose table-decoded fp32 tiles reach ``tl.dot`` through shared memory: at 64 a
+    D=128 program holds 92 KiB of it, so an A100 runs one per SM; ``vlkv kernels compile`` reports it).
     ``validate``: check lengths and the needed block ids (a device sync; off in a hot loop).
     ``k_scale``, ``v_scale``: an 8-bit pool's scales, ``kv_format`` what its bytes encode (``int8`` steps
     or ``fp8`` E4M3 patterns); ``mass_out`` ``[S, >= max_length]`` fp32: each token's
@@ -315,6 +319,9 @@ def paged_decode_attention(
             k_scale=k_scale, v_scale=v_scale, mass_out=mass_out, kv_format=kv_format,
         )  # fmt: skip
     _check_triton_device(q, _split_kernel)
+    fp8 = k_scale is not None and check_kv_format(kv_format) == "fp8"
+    if block_n is None:
+        block_n = 32 if fp8 else 64
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if out is None:
@@ -344,18 +351,20 @@ def paged_decode_attention(
         for t in (m_part, l_part, acc_part):
             t.fill_(float("nan"))
     quant = k_scale is not None
-    fp8 = quant and check_kv_format(kv_format) == "fp8"
     lut = fp8_table_on(q.device) if fp8 else m_part  # unread unless fp8
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     block_d = max(16, triton.next_power_of_2(dim))
     m_strides = m_part.stride()
     a_strides = acc_part.stride()
     ks, vs = (k_scale, v_scale) if quant else (m_part, m_part)  # unread when not quantized
+    # Unread scales pass zero strides: the dummy's own strides would vary with the split count and make
+    # Triton build a separate program for each value it specializes on (1, multiples of 16, others).
+    ks_strides, vs_strides = (ks.stride(), vs.stride()) if quant else ((0, 0, 0), (0, 0, 0))
     fp32 = q.dtype == torch.float32 or upcast or (quant and not q.is_cuda)
     _split_kernel[(n_seq, n_kv, splits)](
         q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part, ks, vs, lut,
         scale, dim, split_tokens,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *ks.stride(), *vs.stride(),
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *ks_strides, *vs_strides,
         *block_tables.stride(), *m_strides, *a_strides,
         GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
         BLOCK_N=block_n, BLOCK_D=block_d,
@@ -369,16 +378,16 @@ def paged_decode_attention(
         if mass_out.shape[0] != n_seq or mass_out.shape[1] < max_length:
             raise ValueError(f"mass_out must be [S={n_seq}, >= {max_length}]")
         m_glob = m_part.amax(dim=2)  # split 0 always holds token 0: finite
-        l_glob = (l_part * torch.exp(m_part - m_glob[..., None])).sum(dim=2)
+        l_glob = (l_part * torch.exp(m_part - m_glob.unsqueeze(-1))).sum(dim=2)
         per_head = q.new_zeros((n_seq, n_kv, max_length), dtype=torch.float32)
         _mass_kernel[(n_seq, n_kv, splits)](
             q, k_pool, block_tables, lengths, m_glob, l_glob, ks, per_head, lut,
             scale, dim, split_tokens,
-            *q.stride(), *k_pool.stride(), *ks.stride(), *block_tables.stride(), *m_glob.stride(),
+            *q.stride(), *k_pool.stride(), *ks_strides, *block_tables.stride(), *m_glob.stride(),
             *per_head.stride(),
             GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
             BLOCK_N=block_n, BLOCK_D=block_d,
             PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8,
         )  # fmt: skip
-        mass_out[:, :max_length] += per_head.sum(dim=1)
+        mass_out.narrow(1, 0, max_length).add_(per_head.sum(dim=1))
     return out

@@ -436,6 +436,16 @@ def cmd_calibrate_reuse(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.what == "kernels":
+        from vlkv.tools.bench.kernels import main as run_kernels
+
+        out = args.out if args.out != "out/bench" else "out/bench_kernels"
+        run_kernels(["--out", out] + ["--quick"] * args.quick + ["--model-only"] * args.model_only)
+        return 0
+    if args.what == "gpu":
+        from vlkv.tools.bench.gpu import run as run_gpu
+
+        return run_gpu(args.out if args.out != "out/bench" else "out/bench_gpu", args.quick)
     if args.what == "image-reuse":
         from vlkv.tools.bench.image_reuse import run as run_image_reuse
 
@@ -447,6 +457,12 @@ def cmd_bench(args) -> int:
     from vlkv.tools.bench.report import run_bench
 
     return run_bench(args)
+
+
+def cmd_kernels(args) -> int:
+    from vlkv.tools.bench.kernel_compile import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,10 +578,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmark report: vlkv (vlcache, full) against a Hugging Face server")
     p.add_argument(
         "what",
-        choices=["all", "image-reuse", "capacity"],
+        choices=["all", "image-reuse", "capacity", "kernels", "gpu"],
         help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
         "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
-        "fp16 decode speed -> out/bench_capacity)",
+        "fp16 decode speed -> out/bench_capacity; kernels: the Triton kernels (CUDA) or their references "
+        "(CPU) beside the roofline cost model -> out/bench_kernels; gpu: on a CUDA machine every GPU "
+        "measurement in one report -> out/bench_gpu, on CPU a one-line notice)",
     )
     p.add_argument("--quick", action="store_true", help="small counts: finishes within 10 minutes on 2 cores")
     p.add_argument("--out", default="out/bench", help="where report.md, results.json and the plots go")
@@ -575,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kvpress", default="auto", choices=["auto", "off"], help="compare NVIDIA kvpress presses"
     )
     p.add_argument("--no-load", action="store_true", help="image-reuse: skip the load run through the API")
+    p.add_argument("--model-only", action="store_true", help="kernels: print the cost model, measure nothing")
     p.add_argument(
         "--kv-transport",
         default="auto",
@@ -582,6 +601,18 @@ def main(argv: list[str] | None = None) -> int:
         help="all: the KV hand-off of the vlkv systems (auto: NIXL where both workers have it)",
     )
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("kernels", help="ahead-of-time checks of the Triton kernels (no GPU needed)")
+    ksub = p.add_subparsers(dest="kernels_command", required=True)
+    kp = ksub.add_parser(
+        "compile",
+        help="compile every kernel specialization the product launches for sm_80/90/100; report registers, "
+        "shared memory, spills, occupancy; exit 1 on an error, a spill or occupancy under a floor",
+    )
+    from vlkv.tools.bench.kernel_compile import add_args as add_compile_args
+
+    add_compile_args(kp)
+    kp.set_defaults(func=cmd_kernels)
 
     p = sub.add_parser(
         "calibrate-reuse",

@@ -1,6 +1,7 @@
 """Benchmark of the attention-statistics and paged-decode kernels.
 
-``python -m vlkv.tools.bench.kernels [--quick] [--out DIR] [--layout 7b|small] [--m 1024,2048]``
+``python -m vlkv.tools.bench.kernels [--quick] [--out DIR] [--layout 7b|small] [--m 1024,2048] [--model-only]``
+(``vlkv bench kernels``)
 
 On CUDA: the Triton kernels against their torch references and PyTorch SDPA, with achieved bandwidth
 (unique bytes read / time), and the statistics overhead (50 query rows) as a share of one prefill layer
@@ -8,6 +9,11 @@ On CUDA: the Triton kernels against their torch references and PyTorch SDPA, wit
 prefill, at m in {1K, 2K, 8K} by default (``--m`` for others; a 7B layer at 32K takes minutes on CPU),
 and paged-decode reference timings. Times are per layer; totals multiply by the layer count. Prints a
 table and saves ``bench_kernels_<device>.png`` and ``.json`` into ``--out``.
+
+Beside the measured tables: the roofline cost model (``cost_model.py``) of the same shapes on A100, H100
+and B200, and on CUDA measured / modelled for this GPU. ``--model-only`` measures nothing: it prints the
+model (LLaVA-1.5-7B launches and decode steps, then the benchmark's shapes) beside the figures of the last
+measured run saved in ``--out`` (this machine's CPU figures when that run was on CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from vlkv.kernels.attention_stats import attention_stats, attention_stats_reference
 from vlkv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+from vlkv.tools.bench import cost_model as cm
 
 TAU = 50  # query rows for the statistics, as in the paper's speed benchmark
 
@@ -184,6 +191,67 @@ def _plot(stats_rows, decode_rows, lay: Layout, device: str, path: Path) -> None
     fig.savefig(path, dpi=110)
 
 
+def _model_gpu(device: str) -> str | None:
+    """The modelled GPU this CUDA device is (by name), else None."""
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((g for g in cm.GPUS if g in name), None)
+
+
+def model_beside(lay: Layout, result: dict) -> str:
+    """The cost model of a run's shapes (per layer) beside its measured figures; measured / modelled on a
+    modelled GPU."""
+    dev = result["device"]
+    key = "triton_s" if dev == "cuda" else "ref_s"
+    gpu = _model_gpu(dev)
+    gpus = tuple(cm.GPUS)
+    head = f"| shape | measured {dev} ms | " + " | ".join(f"{g} model ms" for g in gpus)
+    head += f" | measured / modelled ({gpu}) |" if gpu else " |"
+    lines = [head, "|" + " --- |" * (2 + len(gpus) + bool(gpu))]
+    shapes = [
+        (f"stats {TAU} rows, m={r['m']}", r, cm.attention_stats_costs(lay.heads, lay.kv_heads, TAU, r["m"], lay.head_dim))
+        for r in result["stats"]
+    ] + [
+        (
+            f"decode S={r['S']}, {r['length']} tokens",
+            r,
+            cm.paged_decode_costs(r["S"], r["length"], lay.heads, lay.kv_heads, lay.head_dim, sms=cm.GPUS[g].sms),
+        )
+        for r in result["decode"]
+        for g in [gpu or "H100"]
+    ]  # fmt: skip
+    for name, row, costs in shapes:
+        model = {g: sum(c.seconds(cm.GPUS[g]) for c in costs) for g in gpus}
+        cells = [f"{model[g] * 1e3:.3f}" for g in gpus]
+        measured = row.get(key)
+        line = f"| {name} | {'-' if measured is None else f'{measured * 1e3:.2f}'} | " + " | ".join(cells)
+        if gpu:
+            line += f" | {measured / model[gpu]:.2f} |" if measured else " | - |"
+        else:
+            line += " |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def model_only(args, lay: Layout) -> None:
+    cm.print_model()
+    saved = sorted(args.out.glob("bench_kernels_*.json"))
+    print(f"\nThe benchmark's shapes ({lay.name}, fp16 on the GPUs), per layer:")
+    if not saved:
+        empty = {"device": "cpu", "stats": [{"m": m} for m in (1024, 2048, 8192)]}
+        empty["decode"] = [{"S": s, "length": n} for s, n in [(1, 1024), (8, 2048), (64, 2048)]]
+        print(model_beside(lay, empty))
+        print(f"(no measured run in {args.out}: `python -m vlkv.tools.bench.kernels` measures one)")
+        return
+    for path in saved:
+        result = json.loads(path.read_text())
+        if result.get("layout") != lay.name:
+            continue
+        print(f"measured figures: {path} ({result['device']}, {result['dtype']})")
+        print(model_beside(lay, result))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
@@ -193,8 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     default_dev = "cuda" if torch.cuda.is_available() else "cpu"
     ap.add_argument("--device", choices=["cuda", "cpu"], default=default_dev)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument(
+        "--model-only", action="store_true", help="print the cost model beside the last run's figures"
+    )
     args = ap.parse_args(argv)
     dev, lay = args.device, LAYOUTS[args.layout]
+    if args.model_only:
+        model_only(args, lay)
+        return
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # CPU: fp32 (no fast bf16 GEMM on AVX2)
     if args.m:
         ms = [int(x) for x in args.m.split(",")]
@@ -233,10 +307,12 @@ def main(argv: list[str] | None = None) -> None:
           f"D={lay.head_dim}; sdpa = dense unpaged K/V):")  # fmt: skip
     print(_fmt(decode_rows, cols))
 
+    result = dict(device=dev, layout=lay.name, dtype=str(dtype), stats=stats_rows, decode=decode_rows)
+    print("\nRoofline model of the same shapes (cost_model.py; fp16 on the GPUs), per layer:")
+    print(model_beside(lay, result))
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"bench_kernels_{dev}.png"
     _plot(stats_rows, decode_rows, lay, dev, png)
-    result = dict(device=dev, layout=lay.name, dtype=str(dtype), stats=stats_rows, decode=decode_rows)
     (args.out / f"bench_kernels_{dev}.json").write_text(json.dumps(result, indent=1))
     print(f"\nsaved {png} and {png.with_suffix('.json')}")
 

@@ -42,7 +42,7 @@ def test_every_kernel_compiles_for_a100_h100_b200_without_spills(tmp_path, capsy
         (k, cc) for k in _jit_kernels() for cc in (80, 90, 100)
     }
     assert not [p for p in progs if problems(p)]
-    assert report["launches"] > len(progs) / 3  # deduplicated: launches share programs
+    assert len(progs) / 3 < report["launches"] / 10  # deduplicated: many launches share one program
     table = (tmp_path / "kernels_compile.md").read_text()
     assert table.count("\n") == 2 + 3 * len(_jit_kernels())
     print(capsys.readouterr().out.splitlines()[-2])  # the timing line, for the CI log

@@ -223,7 +223,7 @@ def model_beside(lay: Layout, result: dict) -> str:
     ]  # fmt: skip
     for name, row, costs in shapes:
         model = {g: sum(c.seconds(cm.GPUS[g]) for c in costs) for g in gpus}
-        cells = [f"{model[g] * 1e3:.3f}" for g in gpus]
+        cells = [f"{model[g] * 1e3:.4g}" for g in gpus]
         measured = row.get(key)
         line = f"| {name} | {'-' if measured is None else f'{measured * 1e3:.2f}'} | " + " | ".join(cells)
         if gpu:

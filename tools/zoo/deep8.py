@@ -1,0 +1,232 @@
+"""Zoo member ``deep8``: 8 decoder layers (dense early, sparse later) and answers that read two far-apart regions.
+
+Task ("what shapes are the <colour> one and the <colour> one", ``next_scenes``): a 336x336 image holds one object (5x5
+patches, 70 px) in each of its four corners and, half the time, a fifth in the centre, all in distinct colours,
+shapes drawn from four with repeats. The question names the colours of two objects in *opposite* corners
+(top-left and bottom-right, or top-right and bottom-left; ~20 patches apart on both axes), the answer names
+both shapes: ``"what shapes are the red one and the blue one ?" -> "the red cross and the blue circle ."`` (deciding words: the
+3rd and the 7th generated tokens; the second look-up lands on the far corner).
+
+Geometry: plain LLaVA, 576 vision tokens per image (24x24), **8 decoder layers**, GQA 4/2. The 8 layers start
+from the default model's 4, each used twice with half its residual output (o_proj and down_proj x 0.5, so the
+pair approximates the original layer), and the query projections scaled per layer at initialisation
+(``Q_SCALE``: 0.5 in layers 0-1, 2.5-3 after) so that the post-vision attention is dense in the first two
+layers and sparse in the later ones, as LLaVA-7B's is; training then is the ordinary next-token loss on the
+answer with full attention (no eviction-robust stage). ``python -m vlkv.tools.zoo.deep8 --out DIR`` prints
+the per-layer sparsity of the result (``next_scenes.layer_sparsities``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
+from vlkv.tools.zoo import next_scenes as ns
+from vlkv.tools.zoo.next_scenes import Placed, is_correct, prompt_text
+
+NAME = "deep8"
+MODEL_DIR = Path(__file__).resolve().parent / "models" / NAME
+MAX_NEW_TOKENS = 12  # "the red cross and the blue circle ." is 8 tokens + eos
+SIZE = 336
+LOW_SIZE = 168  # training stage 0: 12 x 12 patches
+GRID = SIZE // ns.PATCH  # 24
+SPAN = 5
+CORNER_JITTER = 2  # an object's top-left cell lies within 2 patches of its corner's extreme place
+LAYER_MAP = (0, 0, 1, 1, 2, 2, 3, 3)  # default-model layer each of the 8 layers starts from
+Q_SCALE = (0.5, 0.5, 3.0, 3.0, 2.5, 2.5, 3.0, 3.0)  # query-projection scale at initialisation
+GEOMETRY = (
+    "LLaVA-1.5, 576 vision tokens/image (24x24), 8 layers (dense early, sparse later), GQA 4/2; "
+    "the answer reads two objects in opposite corners"
+)
+KIND = "shapes_of_two_far"
+SINGLE = "shape_of_colour"  # training's warm-up kind: one key
+
+__all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
+
+
+def corner_cells(
+    rng, grid: int = GRID, span: int = SPAN, jitter: int = CORNER_JITTER
+) -> list[tuple[int, int]]:
+    """Top-left cells of the four corner objects: top-left, top-right, bottom-right, bottom-left."""
+    far = grid - span
+
+    def j():
+        return rng.randint(0, jitter)
+
+    return [(j(), j()), (j(), far - j()), (far - j(), far - j()), (far - j(), j())]
+
+
+def make_example(
+    index: int, seed: int = 0, split: str = "train", single: bool = False, low: bool = False, corners: int = 4
+) -> Example:
+    """The ``index``-th example of ``(split, seed)``. Training's variants: ``single``, a one-key question
+    about one corner object; ``low``, a 168 x 168 image (12 x 12 patches, objects 3 x 3 patches, no centre
+    object); ``corners``, fewer occupied corners (a ``single`` question only)."""
+    tag = ("-single" if single else "") + ("-low" if low else "") + (f"-{corners}" if corners != 4 else "")
+    rng = ns.example_rng(NAME + tag, split, seed, index)
+    size, span, jitter = (LOW_SIZE, 3, 1) if low else (SIZE, SPAN, CORNER_JITTER)
+    grid = size // ns.PATCH
+    centre = not low and rng.randrange(2) == 0
+    cells = corner_cells(rng, grid, span, jitter)
+    first = rng.randrange(4)
+    cells = [cells[(first + k) % 4] for k in (0, 2, 1, 3)][:corners]  # opposite corners first
+    if centre:
+        mid = (grid - span) // 2
+        cells.append((mid + rng.randint(-1, 1), mid + rng.randint(-1, 1)))
+    colours = rng.sample(list(COLOURS), len(cells))
+    items = [Placed(rng.choice(SHAPES), c, cell, span) for c, cell in zip(colours, cells, strict=True)]
+    if single:
+        a = rng.choice(items[:corners])
+        question, answer = ns.qa_one(a)
+        focus, kind, target = [a], SINGLE, a.shape
+    else:
+        a, b = items[0], items[1]  # opposite corners
+        question, answer = ns.qa_two(a, b)
+        focus, kind, target = [a, b], KIND, b.shape
+    image = ns.render(items, size, size, rng)
+    objs = [it.obj() for it in items]
+    return Example([image], question, answer, target, "shape", kind, [objs], [(0, f.obj()) for f in focus])
+
+
+def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
+    """``n`` deterministic two-key examples of ``split`` (``"train"`` or ``"heldout"``, disjoint seed spaces)."""
+    return [make_example(i, seed, split) for i in range(n)]
+
+
+def build_model(seed: int):
+    """An 8-layer LLaVA from the default model (``LAYER_MAP``, half residuals, ``Q_SCALE``)."""
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+    from vlkv.common.config import DEFAULT_MODEL_DIR
+
+    base = LlavaForConditionalGeneration.from_pretrained(str(DEFAULT_MODEL_DIR), dtype=torch.float32)
+    cfg = AutoConfig.from_pretrained(str(DEFAULT_MODEL_DIR))
+    cfg.text_config.num_hidden_layers = len(LAYER_MAP)
+    if getattr(cfg.text_config, "layer_types", None):
+        cfg.text_config.layer_types = [cfg.text_config.layer_types[0]] * len(LAYER_MAP)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg)
+    state = {k: v for k, v in base.state_dict().items() if ".language_model.layers." not in k}
+    for i, src in enumerate(LAYER_MAP):
+        prefix = f"model.language_model.layers.{src}."
+        for k, v in base.state_dict().items():
+            if k.startswith(prefix):
+                name = k[len(prefix) :]
+                w = v.clone()
+                if name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                    w *= 0.5
+                if name == "self_attn.q_proj.weight":
+                    w *= Q_SCALE[i]
+                state[f"model.language_model.layers.{i}.{name}"] = w
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def train(args: argparse.Namespace) -> dict:
+    from vlkv.common.config import DEFAULT_MODEL_DIR
+    from vlkv.common.model.loading import load_processor
+    from vlkv.tools.task.tiny_llava import build_processor as tiny_processor
+
+    ns.set_determinism(args.seed, args.threads)
+    processor = load_processor(str(DEFAULT_MODEL_DIR))
+    model = build_model(args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    low_proc = tiny_processor(processor.tokenizer, image_size=LOW_SIZE, patch_size=ns.PATCH)
+    low_proc.chat_template = processor.chat_template
+    model.model.vision_tower.embeddings.register_forward_pre_hook(
+        lambda mod, a, kw: (a, {**kw, "interpolate_pos_encoding": True}), with_kwargs=True
+    )
+    ramp = max(1, args.low_steps * args.batch_size // 2)
+
+    def low(i: int) -> Example:
+        # stage 0: one-key questions, one occupied corner at first and four by the middle of the stage, then
+        # half the questions two-key
+        if i < ramp or (i * 7919) % 100 < 50:
+            return make_example(i, args.data_seed, "train", True, True, min(4, 1 + 4 * i // ramp))
+        return make_example(i, args.data_seed, "train", low=True)
+
+    def full(i: int) -> Example:
+        return make_example(i, args.data_seed, "train", single=(i * 7919) % 100 < args.single_percent)
+
+    def peek(step: int) -> None:
+        if args.eval_every and step and step % args.eval_every == 0:
+            model.eval()
+            acc, _ = ns.evaluate(model, processor, make_examples(50, 1, "heldout"), MAX_NEW_TOKENS)
+            print(f"  eval@{step}: {acc:.3f}", flush=True)
+
+    t0 = time.time()
+    s0 = ns.finetune(model, low_proc, ns.batches(low, args.batch_size), args.low_steps, args.lr, args.warmup)
+    s1 = ns.finetune(
+        model,
+        processor,
+        ns.batches(full, args.batch_size),
+        args.steps,
+        args.full_lr,
+        args.warmup,
+        on_log=peek,
+    )
+    train_s = time.time() - t0
+    t1 = time.time()
+    acc, per_kind = ns.evaluate(model, processor, make_examples(args.eval_n, 0, "heldout"), MAX_NEW_TOKENS)
+    eval_s = time.time() - t1
+    print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_s:.0f}s)", flush=True)
+    sparsity = ns.layer_sparsities(model, processor, make_examples(args.sparsity_n, 0, "heldout"))
+    print("per-layer post-vision sparsity (p=0.01):", [round(x, 3) for x in sparsity], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.suffix not in (".md", ".json"))
+    record = {
+        "command": f"python -m vlkv.tools.zoo.{NAME} " + " ".join(sys.argv[1:]),
+        "train_seconds": round(train_s, 1),
+        "stage_seconds": [round(s0, 1), round(s1, 1)],
+        "command_seconds": round(time.time() - t0, 1),
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "layer_map": LAYER_MAP,
+        "q_scale": Q_SCALE,
+        "params": n_params,
+        "size_bytes": size,
+        "heldout_accuracy": round(acc, 4),
+        "heldout_n": args.eval_n,
+        "heldout_per_kind": per_kind,
+        "layer_sparsity": [round(x, 4) for x in sparsity],
+        "torch": torch.__version__,
+    }
+    (out / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record, indent=1), flush=True)
+    return record
+
+
+DEFAULTS = dict(
+    low_steps=300,
+    steps=70,
+    single_percent=20,
+    batch_size=8,
+    lr=1e-3,
+    full_lr=5e-4,
+    warmup=20,
+    seed=0,
+    data_seed=0,
+    threads=1,
+    eval_n=300,
+    eval_every=35,
+    sparsity_n=50,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    for k, v in DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), dest=k, type=type(v), default=v)
+    train(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -39,19 +39,20 @@ def test_the_two_asked_objects_lie_in_opposite_corners():
     for ex in M.make_examples(30):
         (_, a), (_, b) = ex.focus
         assert abs(a.cell[0] - b.cell[0]) >= 15 and abs(a.cell[1] - b.cell[1]) >= 15
-        assert ex.question == f"what shapes are the {a.colour} one and the {b.colour} one ?"
-        assert ex.answer == f"the {a.colour} {a.shape} and the {b.colour} {b.shape} ."
-        colours = [o.colour for o in ex.objects[0]]
-        assert len(set(colours)) == len(colours)
+        assert ex.question == f"what colour are the {a.shape} and the {b.shape} ?"
+        assert ex.answer == f"the {a.shape} {a.colour} and the {b.shape} {b.colour} ."
+        for attr in ("shape", "colour"):
+            values = [getattr(o, attr) for o in ex.objects[0]]
+            assert len(set(values)) == len(values) == 4
 
 
 def test_scoring_needs_both_shapes():
     ex = M.make_examples(1)[0]
     (_, a), (_, b) = ex.focus
-    other = next(s for s in ("square", "circle", "triangle", "cross") if s != b.shape)
+    other = next(c for c in ("red", "green", "blue", "yellow", "purple") if c != b.colour)
     assert is_correct(ex.answer, ex)
-    assert not is_correct(f"the {a.colour} {a.shape} and the {b.colour} {other} .", ex)
-    assert not is_correct(f"the {a.colour} {a.shape} .", ex)
+    assert not is_correct(f"the {a.shape} {a.colour} and the {b.shape} {other} .", ex)
+    assert not is_correct(f"the {a.shape} {a.colour} .", ex)
 
 
 def test_shipped_checkpoint_has_8_layers_dense_early_sparse_later_and_answers():

@@ -46,21 +46,21 @@ def test_examples_are_deterministic_and_splits_disjoint():
         M.make_examples(1, split="test")
 
 
-def test_questions_are_keyed_by_a_unique_colour_and_answered_after_the_first_token():
+def test_questions_are_keyed_by_a_unique_shape_and_answered_after_the_first_token():
     for ex in M.make_examples(30, seed=0):
         assert ex.images[0].size in ((672, 336), (336, 672))
-        colour = ex.question.split()[4]
-        assert [o.colour for o in ex.objects[0]].count(colour) == 1
+        shape = ex.question.split()[4]
+        assert [o.shape for o in ex.objects[0]].count(shape) == 1
         ((_, obj),) = ex.focus
-        assert ex.answer == f"the {colour} {obj.shape} ." and ex.answer.split()[0] == "the"
+        assert ex.answer == f"the {shape} {obj.colour} ." and ex.target == obj.colour
 
 
-def test_scoring_reads_colour_and_shape_words_in_order():
+def test_scoring_reads_shape_and_colour_words_in_order():
     ex = M.make_examples(1)[0]
-    colour, shape = content_words(ex.answer)
-    wrong = next(s for s in ("square", "circle", "triangle", "cross") if s != shape)
-    assert is_correct(ex.answer, ex) and is_correct(f"the {colour} {shape} . </s> the red", ex)
-    assert not is_correct(f"the {colour} {wrong} .", ex) and not is_correct("the .", ex)
+    shape, colour = content_words(ex.answer)
+    wrong = next(c for c in ("red", "green", "blue", "yellow", "purple") if c != colour)
+    assert is_correct(ex.answer, ex) and is_correct(f"the {shape} {colour} . </s> the red", ex)
+    assert not is_correct(f"the {shape} {wrong} .", ex) and not is_correct("the .", ex)
 
 
 def test_shipped_checkpoint_is_llava_next_with_1500_plus_vision_tokens_and_answers():

@@ -1,18 +1,21 @@
 """Zoo member ``deep8``: 8 decoder layers (dense early, sparse later) and answers that read two far-apart regions.
 
-Task ("what shapes are the <colour> one and the <colour> one", ``next_scenes``): a 336x336 image holds one object (5x5
-patches, 70 px) in each of its four corners and, half the time, a fifth in the centre, all in distinct colours,
-shapes drawn from four with repeats. The question names the colours of two objects in *opposite* corners
-(top-left and bottom-right, or top-right and bottom-left; ~20 patches apart on both axes), the answer names
-both shapes: ``"what shapes are the red one and the blue one ?" -> "the red cross and the blue circle ."`` (deciding words: the
-3rd and the 7th generated tokens; the second look-up lands on the far corner).
+Task (``next_scenes``): a 336x336 image holds one object (5x5 patches, 70 px) in each of its four corners,
+pairwise distinct in shape and in colour. The question names the shapes of two objects in *opposite* corners
+(top-left and bottom-right, or top-right and bottom-left; 15-19 patches apart on both axes), the answer names
+both colours: ``"what colour are the cross and the circle ?" -> "the cross red and the circle blue ."``
+(deciding words: the 3rd and the 7th generated tokens; the second look-up lands on the far corner). The
+question kind is the default task's two-shape one; what is new is that the two regions are always far apart
+(see next_scenes: the colour-keyed inverse did not train in time).
 
 Geometry: plain LLaVA, 576 vision tokens per image (24x24), **8 decoder layers**, GQA 4/2. The 8 layers start
 from the default model's 4, each used twice with half its residual output (o_proj and down_proj x 0.5, so the
 pair approximates the original layer), and the query projections scaled per layer at initialisation
 (``Q_SCALE``: 0.5 in layers 0-1, 2.5-3 after) so that the post-vision attention is dense in the first two
 layers and sparse in the later ones, as LLaVA-7B's is; training then is the ordinary next-token loss on the
-answer with full attention (no eviction-robust stage). ``python -m vlkv.tools.zoo.deep8 --out DIR`` prints
+answer with full attention (no eviction-robust stage): stage 0 on 168 px images (144 tokens; one-key
+questions with one occupied corner at first, four by mid-stage, then half two-key), stage 1 at 336 px (20%
+one-key). ``python -m vlkv.tools.zoo.deep8 --out DIR`` prints
 the per-layer sparsity of the result (``next_scenes.layer_sparsities``).
 """
 
@@ -43,8 +46,8 @@ GEOMETRY = (
     "LLaVA-1.5, 576 vision tokens/image (24x24), 8 layers (dense early, sparse later), GQA 4/2; "
     "the answer reads two objects in opposite corners"
 )
-KIND = "shapes_of_two_far"
-SINGLE = "shape_of_colour"  # training's warm-up kind: one key
+KIND = "colours_of_two_far"
+SINGLE = "colour_of_shape"  # training's warm-up kind: one key
 
 __all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
 
@@ -71,26 +74,23 @@ def make_example(
     rng = ns.example_rng(NAME + tag, split, seed, index)
     size, span, jitter = (LOW_SIZE, 3, 1) if low else (SIZE, SPAN, CORNER_JITTER)
     grid = size // ns.PATCH
-    centre = not low and rng.randrange(2) == 0
     cells = corner_cells(rng, grid, span, jitter)
     first = rng.randrange(4)
     cells = [cells[(first + k) % 4] for k in (0, 2, 1, 3)][:corners]  # opposite corners first
-    if centre:
-        mid = (grid - span) // 2
-        cells.append((mid + rng.randint(-1, 1), mid + rng.randint(-1, 1)))
     colours = rng.sample(list(COLOURS), len(cells))
-    items = [Placed(rng.choice(SHAPES), c, cell, span) for c, cell in zip(colours, cells, strict=True)]
+    shapes = rng.sample(SHAPES, len(cells))
+    items = [Placed(s, c, cell, span) for s, c, cell in zip(shapes, colours, cells, strict=True)]
     if single:
         a = rng.choice(items[:corners])
         question, answer = ns.qa_one(a)
-        focus, kind, target = [a], SINGLE, a.shape
+        focus, kind, target = [a], SINGLE, a.colour
     else:
         a, b = items[0], items[1]  # opposite corners
         question, answer = ns.qa_two(a, b)
-        focus, kind, target = [a, b], KIND, b.shape
+        focus, kind, target = [a, b], KIND, b.colour
     image = ns.render(items, size, size, rng)
     objs = [it.obj() for it in items]
-    return Example([image], question, answer, target, "shape", kind, [objs], [(0, f.obj()) for f in focus])
+    return Example([image], question, answer, target, "colour", kind, [objs], [(0, f.obj()) for f in focus])
 
 
 def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
@@ -204,8 +204,8 @@ def train(args: argparse.Namespace) -> dict:
 
 
 DEFAULTS = dict(
-    low_steps=300,
-    steps=70,
+    low_steps=100,
+    steps=60,
     single_percent=20,
     batch_size=8,
     lr=1e-3,
@@ -215,7 +215,7 @@ DEFAULTS = dict(
     data_seed=0,
     threads=1,
     eval_n=300,
-    eval_every=35,
+    eval_every=0,
     sparsity_n=50,
 )
 

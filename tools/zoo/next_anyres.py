@@ -1,20 +1,22 @@
 """Zoo member ``next_anyres``: a LLaVA-NeXT checkpoint with any-res tiles, small objects only the tiles resolve.
 
-Task ("what shape is the <colour> one", ``next_scenes``): a wide (672x336) or tall (336x672) image holds 3-5 small
-objects (3x3 patches of 14 px, 42 px) in distinct colours, shapes drawn from four with repeats; the question
-names one colour, the answer names that object's shape: ``"what shape is the red one ?" -> "the red cross ."`` (the
-deciding shape word is the 3rd generated token).
+Task (``next_scenes``): a wide (672x336) or tall (336x672) image holds 3-4 small objects (3x3 patches of 14 px,
+42 px; in the 336 px base view 21 px along the squeezed axis), pairwise distinct in shape and in colour; the
+question names one shape, the answer repeats it and names its colour: ``"what colour is the cross ?" -> "the
+cross red ."`` (the deciding colour word is the 3rd generated token). The question kind is the default task's
+colour-of-shape; what is new is where it looks (see next_scenes: the colour-keyed inverse did not train in time).
 
 Geometry: ``LlavaNextForConditionalGeneration``, grid pinpoints 1x2, 2x1 and 2x2 tiles of 336. A 672x336 image
 is a 336x336 base view (576 tokens) plus two full-resolution 336x336 tiles (1,152 tokens) and one
 ``image_newline`` token per tile row (24): **1,752 vision tokens per image**. The base view squeezes the image
 2:1, so the texture that names a shape (stripes one way or the other, checks, plain) is lost along the squeezed
-axis there, while the colour survives: the base view finds the object, only the tiles read its shape.
+axis there (vertical stripes blur to plain, checks to stripes): the key shape is told apart only in the tiles.
 
-Training (``python -m vlkv.tools.zoo.next_anyres --out tools/zoo/models/next_anyres``): the default model's
-vision tower, projector and decoder (``common/default_model``) in a LLaVA-NeXT wrapper (the new
-``image_newline`` vector from the seed), fine-tuned on this task with the next-token loss on the answer, full
-attention (no eviction-robust stage), deterministic for the same ``--threads``.
+Training (``python -m vlkv.tools.zoo.next_anyres --out tools/zoo/models/next_anyres``): the default model
+(``common/default_model``) fine-tuned with the next-token loss on the answer, full attention (no
+eviction-robust stage), deterministic for the same ``--threads``: stage 0 as plain LLaVA on 168 px images
+(144 tokens, 1-3 objects), stage 1 on 336 px images (one tile's view, 1-4 objects), stage 2 its weights in the
+LLaVA-NeXT wrapper (the new ``image_newline`` vector from the seed) at the member's geometry.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ GEOMETRY = (
     "LLaVA-NeXT anyres, 672x336 / 336x672 images: 576 base + 2x576 tile + 24 / 48 newline = 1,752 / 1,776 "
     "vision tokens/image, 4 layers, GQA 4/2; small objects whose shape only the full-resolution tiles show"
 )
-KIND = "shape_of_colour"
+KIND = "colour_of_small_shape"
 
 __all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
 
@@ -56,17 +58,18 @@ def make_example(
     wide = rng.randrange(2) == 0
     width, height = (square, square) if square else (2 * TILE, TILE) if wide else (TILE, 2 * TILE)
     rows, cols = height // ns.PATCH, width // ns.PATCH
-    n = rng.randint(1, max_objects) if square else rng.randint(3, 5)
+    n = rng.randint(1, max_objects) if square else rng.randint(3, 4)
     colours = rng.sample(list(COLOURS), n)
+    shapes = rng.sample(SHAPES, n)
     items: list[Placed] = []
-    for colour in colours:
+    for shape, colour in zip(shapes, colours, strict=True):
         cell = rng.choice(ns.free_cells(rows, cols, SPAN, items))
-        items.append(Placed(rng.choice(SHAPES), colour, cell, SPAN))
+        items.append(Placed(shape, colour, cell, SPAN))
     target = rng.choice(items)
     question, answer = ns.qa_one(target)
     image = ns.render(items, width, height, rng)
     objs = [it.obj() for it in items]
-    return Example([image], question, answer, target.shape, "shape", KIND, [objs], [(0, target.obj())])
+    return Example([image], question, answer, target.colour, "colour", KIND, [objs], [(0, target.obj())])
 
 
 def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
@@ -198,9 +201,9 @@ def train(args: argparse.Namespace) -> dict:
 
 
 DEFAULTS = dict(
-    low_steps=400,
-    tile_steps=60,
-    steps=80,
+    low_steps=100,
+    tile_steps=40,
+    steps=12,
     batch_size=8,
     lr=1e-3,
     next_lr=5e-4,
@@ -209,7 +212,7 @@ DEFAULTS = dict(
     data_seed=0,
     threads=1,
     eval_n=300,
-    eval_every=50,
+    eval_every=0,
 )
 
 

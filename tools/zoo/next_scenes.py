@@ -1,16 +1,21 @@
-"""Shared parts of the zoo members ``next_anyres`` and ``deep8``: scenes, the "what shape is the <colour> one"
-task family, scoring, fine-tuning from the default model, and per-layer attention sparsity.
+"""Shared parts of the zoo members ``next_anyres`` and ``deep8``: scenes, questions, scoring, fine-tuning from
+the default model, and per-layer post-vision attention sparsity.
 
-Both members ask the *inverse* of the default model's look-up: the question names a colour (unique in the
-image) and the answer names the shape of that colour's object, ``"what shape is the red one ?" -> "the red cross ."``.
-The question writes the key as "the <colour> one" and the answer repeats it as "the <colour>" right before the
-deciding shape word: the default model copies a key written after "the" (its questions read "the square") and
-looks up at the key token itself (one hop, the lesson of ``tools/task/synthetic_task``). Asked as "what shape
-is red ?", the colour was not copied: fine-tuned from the default for 60 steps, the answer's colour word had
-loss 2.2 on two-object scenes, read off the image instead of the question. So the deciding word is the 3rd generated token (the 7th too in ``deep8``'s
-two-key answers). Objects are the default task's textured silhouettes (``synthetic_task``: the texture names
-the shape in every patch), drawn at member-specific sizes on member-specific canvases; shapes may repeat
-within an image, colours never do.
+Both members ask the default model's kind of look-up (the question names a shape, unique in the image; the
+answer repeats the shape and names its colour: ``"what colour is the cross ?" -> "the cross red ."``) in new
+geometry: ``next_anyres`` on small objects in wide or tall LLaVA-NeXT images whose shape only the
+full-resolution tiles show, ``deep8`` on two objects in opposite corners read by an 8-layer decoder. The
+deciding colour word is the 3rd generated token (the 7th too in ``deep8``'s two-key answers). Objects are the
+default task's textured silhouettes (``synthetic_task``: the texture names the shape in every patch), drawn at
+member-specific sizes on member-specific canvases; within an image shapes and colours are pairwise distinct.
+
+What did not train in time (kept here as the lesson): the *inverse* look-up, colour-keyed ("what shape is the
+red one ?" -> "the red cross ."). Fine-tuned from the default model, the answer's copy of the colour key did
+not form: after 100 steps (batch 8, 1-3 objects, 168 px) its loss was still 0.92 nats on two-object scenes
+and 1.58 on three-object ones (the model named a colour it saw in the image, not the one asked: the default
+copies shape words, not colour words), and 450 steps of the whole recipe reached 0.36 held-out on 336 px
+images (``deep8``: 0.047 after 370 steps). Training at most 60 minutes on this shared 2-core CPU left no
+room for the several hundred more steps the copy needed.
 
 Scoring: the colour and shape words of the generated text (up to the first eos), in order, must equal those of
 the reference answer (so a wrong key copy is wrong too).
@@ -100,13 +105,13 @@ def free_cells(rows: int, cols: int, span: int, taken: list[Placed], gap: int = 
 
 
 def qa_one(it: Placed) -> tuple[str, str]:
-    return f"what shape is the {it.colour} one ?", f"the {it.colour} {it.shape} ."
+    return f"what colour is the {it.shape} ?", f"the {it.shape} {it.colour} ."
 
 
 def qa_two(a: Placed, b: Placed) -> tuple[str, str]:
     return (
-        f"what shapes are the {a.colour} one and the {b.colour} one ?",
-        f"the {a.colour} {a.shape} and the {b.colour} {b.shape} .",
+        f"what colour are the {a.shape} and the {b.shape} ?",
+        f"the {a.shape} {a.colour} and the {b.shape} {b.colour} .",
     )
 
 
@@ -307,3 +312,52 @@ def layer_sparsities(model, processor, examples: list[Example], threshold: float
         sums = [a + b for a, b in zip(sums, vals, strict=True)] if sums else vals
     model.set_attn_implementation({"text_config": "sdpa"})
     return [s / len(examples) for s in sums]
+
+
+def heldout_accuracy(name: str, n: int = 300, seed: int = 0) -> tuple[float, dict[str, float]]:
+    """Held-out full-cache greedy accuracy (``model.generate``) of the shipped checkpoint of member ``name``,
+    loaded through the product's ``load_model`` / ``load_processor``."""
+    from vlkv.common.config import ModelConfig
+    from vlkv.common.model.loading import load_model, load_processor
+    from vlkv.tools.zoo import member
+
+    mod = member(name)
+    model = load_model(ModelConfig(path=str(mod.MODEL_DIR)))
+    processor = load_processor(str(mod.MODEL_DIR))
+    return evaluate(model, processor, mod.make_examples(n, seed, "heldout"), mod.MAX_NEW_TOKENS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m vlkv.tools.zoo.next_scenes MEMBER [-n 300] [--sparsity 50]``: a shipped member's held-out
+    full-cache accuracy and (``--sparsity N``) its per-layer post-vision attention sparsity over N examples."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("member")
+    p.add_argument("-n", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sparsity", type=int, default=0, help="examples for the per-layer sparsity (0: skip)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.n:
+        acc, per_kind = heldout_accuracy(args.member, args.n, args.seed)
+        print(
+            f"{args.member}: held-out full-cache accuracy {acc:.4f} (n={args.n}, seed {args.seed}) {per_kind}"
+        )
+    if args.sparsity:
+        from vlkv.common.config import ModelConfig
+        from vlkv.common.model.loading import load_model, load_processor
+        from vlkv.tools.zoo import member
+
+        mod = member(args.member)
+        model = load_model(ModelConfig(path=str(mod.MODEL_DIR)))
+        gamma = layer_sparsities(model, load_processor(str(mod.MODEL_DIR)), mod.make_examples(args.sparsity))
+        print(
+            f"{args.member}: per-layer post-vision sparsity (p=0.01, n={args.sparsity}):",
+            [round(g, 3) for g in gamma],
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""One training recipe for the zoo's small LLaVA members (``grid16``, ``longprompt``).
+
+A member hands ``train_member`` a ``Member`` (vocabulary, system prompt, architecture, its curriculum and
+task) and gets the single deterministic command ``python -m vlkv.tools.zoo.<name> --out DIR``:
+
+1. The vision tower and projector start from the default model's (``common/default_model``), the tower's
+   position embeddings resized (bicubic) to the member's patch grid; the decoder, embeddings and head start
+   from random init (the default's decoder was fine-tuned to tolerate KV eviction, a user's is not).
+2. ``probe_steps``: the tower and projector alone, with a linear probe naming each vision token's object
+   kind (shape or pattern) and colour, background included, so they adapt to the member's grid and objects
+   before the decoder reads them (``tools/task/train_default_model``'s lesson).
+3. The rest: next-token cross-entropy on the answer tokens and the closing eos only, full attention (no
+   eviction-robust stage), batches drawn by the member's curriculum (``Member.train_example``), a cosine
+   learning-rate schedule (``train_default_model.lr_at``).
+4. Held-out full-cache greedy accuracy (``model.generate``) on ``--eval-n`` examples, then the checkpoint
+   (Hugging Face format) and ``TRAINING.md`` (the record) in ``--out``.
+
+Deterministic: fixed seeds and data order, deterministic algorithms; bit-exact for the same ``--threads``
+(1 by default: the lab machine's 2 cores are shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlavaForConditionalGeneration
+from vlkv.common.config import DEFAULT_MODEL_DIR
+from vlkv.tools.progress import progress
+from vlkv.tools.task.synthetic_task import COLOURS, Example, Geometry
+from vlkv.tools.task.tiny_llava import build_tiny, tokens_per_image
+from vlkv.tools.task.train_default_model import collate, lr_at, set_determinism
+from vlkv.tools.zoo.scenes import patch_labels
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The member's model: image geometry and decoder shape (vision tower as the default's, to reuse it)."""
+
+    geometry: Geometry
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    rope_theta: float = 1e6
+
+
+@dataclass(frozen=True)
+class Member:
+    """What ``train_member`` needs from a zoo member module."""
+
+    name: str
+    words: list[str]
+    system_prompt: str | None
+    arch: Arch
+    object_kinds: tuple[str, ...]  # the probe's first class set (shapes or patterns)
+    train_example: Callable[[int, float], Example]  # (index, training progress in [0, 1)) -> example
+    make_examples: Callable[..., list[Example]]  # (n, seed, split)
+    is_correct: Callable[[str, Example], bool]
+    max_new_tokens: int
+    steps: int
+    probe_steps: int
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: int = 50
+
+
+def init_vision_from_default(model: LlavaForConditionalGeneration, default_dir: str = str(DEFAULT_MODEL_DIR)):
+    """Copy the default model's vision tower and projector into ``model``, position embeddings resized."""
+    src = LlavaForConditionalGeneration.from_pretrained(default_dir, dtype=torch.float32)
+    tower = src.model.vision_tower.state_dict()
+    key = "embeddings.position_embedding.weight"
+    pe = tower[key]  # [1 + old*old, dim]: CLS first
+    old = math.isqrt(pe.shape[0] - 1)
+    new = math.isqrt(model.model.vision_tower.state_dict()[key].shape[0] - 1)
+    grid = pe[1:].reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    grid = torch.nn.functional.interpolate(grid, size=(new, new), mode="bicubic", align_corners=False)
+    tower[key] = torch.cat([pe[:1], grid.permute(0, 2, 3, 1).reshape(new * new, -1)])
+    model.model.vision_tower.load_state_dict(tower)
+    model.model.multi_modal_projector.load_state_dict(src.model.multi_modal_projector.state_dict())
+
+
+def probe_targets(examples: list[Example], m: Member) -> torch.Tensor:
+    """``[images, tokens, 2]``: per vision token its (object kind, colour) class, background last."""
+    rows = []
+    for ex in examples:
+        for img, objs in zip(ex.images, ex.objects, strict=True):
+            rows.append(patch_labels(img, objs, m.arch.geometry, m.object_kinds))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def probe_loss(
+    head: torch.nn.Linear, features: torch.Tensor, targets: torch.Tensor, n_kinds: int
+) -> torch.Tensor:
+    logits = head(features).reshape(-1, n_kinds + 1 + len(COLOURS) + 1)
+    kind, colour = targets.reshape(-1, 2).unbind(-1)
+    ce = torch.nn.functional.cross_entropy
+    return ce(logits[:, : n_kinds + 1], kind) + ce(logits[:, n_kinds + 1 :], colour)
+
+
+def prompt_text(processor, example: Example) -> str:
+    """The rendered prompt: the checkpoint's chat template over the example's one user turn."""
+    return processor.apply_chat_template(example.messages, add_generation_prompt=True)
+
+
+def generate_answer(model, processor, example: Example, max_new_tokens: int) -> str:
+    """Greedy full-cache continuation (special tokens stripped)."""
+    inputs = processor(images=example.images, text=prompt_text(processor, example), return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def evaluate(model, processor, examples: list[Example], is_correct, max_new_tokens: int):
+    """Greedy full-cache accuracy overall and per kind."""
+    hits: Counter[str] = Counter()
+    totals: Counter[str] = Counter()
+    for ex in progress(examples, desc="evaluate", unit="example"):
+        totals[ex.kind] += 1
+        hits[ex.kind] += is_correct(generate_answer(model, processor, ex, max_new_tokens), ex)
+    acc = sum(hits.values()) / max(1, sum(totals.values()))
+    return acc, {k: hits[k] / totals[k] for k in sorted(totals)}
+
+
+def evaluate_full_cache(
+    member_module, n: int = 300, seed: int = 0, split: str = "heldout"
+) -> tuple[float, dict]:
+    """Held-out full-cache greedy accuracy of a member's shipped checkpoint, loaded as any user's."""
+    from vlkv.common.config import ModelConfig
+    from vlkv.common.model.loading import load_model, load_processor
+
+    path = str(member_module.MODEL_DIR)
+    model = load_model(ModelConfig(path=path, device="cpu", dtype="float32"))
+    processor = load_processor(path)
+    examples = member_module.make_examples(n, seed, split)
+    return evaluate(model, processor, examples, member_module.is_correct, member_module.MAX_NEW_TOKENS)
+
+
+def _chats(examples: list[Example]) -> list[tuple[Example, list[dict]]]:
+    return [(ex, [*ex.messages, {"role": "assistant", "content": ex.answer}]) for ex in examples]
+
+
+def train_member(m: Member, argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=f"Train the zoo member {m.name!r} (deterministic, CPU).")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=m.steps)
+    p.add_argument("--probe-steps", type=int, default=m.probe_steps)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--eval-n", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=0, help="held-out accuracy on 50 every N steps (0: off)")
+    args = p.parse_args(argv)
+    t_start = time.time()
+    set_determinism(args.seed, args.threads)
+    g = m.arch.geometry
+    tok, processor, cfg = build_tiny(
+        m.words,
+        image_size=g.image,
+        patch_size=g.patch,
+        system_prompt=m.system_prompt,
+        num_heads=m.arch.heads,
+        num_kv_heads=m.arch.kv_heads,
+        hidden=m.arch.hidden,
+        layers=m.arch.layers,
+        rope_theta=m.arch.rope_theta,
+    )
+    torch.manual_seed(args.seed)
+    model = LlavaForConditionalGeneration(cfg)
+    init_vision_from_default(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{m.name}: params={n_params} vocab={len(tok)} tokens/image={tokens_per_image(g.image, g.patch)}")
+
+    n_kinds = len(m.object_kinds)
+    head = torch.nn.Linear(cfg.text_config.hidden_size, n_kinds + 1 + len(COLOURS) + 1)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    decay += list(head.parameters())
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=m.lr,
+        betas=(0.9, 0.98),
+    )
+    projected: list[torch.Tensor] = []
+    capture = model.model.multi_modal_projector.register_forward_hook(
+        lambda mod, i, out: projected.append(out)
+    )
+    model.train()
+    ema = None
+    t0 = time.time()
+    for step in progress(range(args.steps), desc=f"train {m.name}", unit="step"):
+        examples = [m.train_example(step * m.batch_size + j, step / args.steps) for j in range(m.batch_size)]
+        batch = collate(processor, _chats(examples))
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, args.steps, m.lr, m.warmup)
+        projected.clear()
+        if step < args.probe_steps:
+            model.model.get_image_features(pixel_values=batch["pixel_values"])
+            loss = probe_loss(head, projected[0], probe_targets(examples, m), n_kinds)
+        else:
+            loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 25 == 0 or step == args.steps - 1:
+            print(
+                f"step {step:5d} loss {loss.item():.4f} ema {ema:.4f} elapsed {time.time() - t0:7.1f}s",
+                flush=True,
+            )
+        if args.eval_every and step > args.probe_steps and step % args.eval_every == 0:
+            model.eval()
+            acc, per = evaluate(
+                model, processor, m.make_examples(50, 1, "heldout"), m.is_correct, m.max_new_tokens
+            )
+            print(
+                f"  eval@{step}: {acc:.3f} {json.dumps({k: round(v, 3) for k, v in per.items()})}", flush=True
+            )
+            model.train()
+    capture.remove()
+    train_seconds = time.time() - t0
+    model.eval()
+
+    t1 = time.time()
+    examples = m.make_examples(args.eval_n, 0, "heldout")
+    acc, per_kind = evaluate(model, processor, examples, m.is_correct, m.max_new_tokens)
+    print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({time.time() - t1:.0f}s): {per_kind}", flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "TRAINING.md")
+    prompt_tokens = [
+        len(processor(images=ex.images, text=prompt_text(processor, ex))["input_ids"][0]) for ex in examples
+    ]
+    record = {
+        "command": f"python -m vlkv.tools.zoo.{m.name} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "train_seconds": round(train_seconds, 1),
+        "command_seconds": round(time.time() - t_start, 1),
+        "steps": args.steps,
+        "probe_steps": args.probe_steps,
+        "batch_size": m.batch_size,
+        "lr": m.lr,
+        "seed": args.seed,
+        "threads": args.threads,
+        "params": n_params,
+        "size_bytes": size,
+        "image_size": g.image,
+        "patch_size": g.patch,
+        "tokens_per_image": tokens_per_image(g.image, g.patch),
+        "prompt_tokens": {"min": min(prompt_tokens), "max": max(prompt_tokens)},
+        "text": {
+            "layers": m.arch.layers,
+            "hidden": m.arch.hidden,
+            "heads": m.arch.heads,
+            "kv_heads": m.arch.kv_heads,
+        },
+        "rope_theta": m.arch.rope_theta,
+        "heldout_accuracy": round(acc, 4),
+        "heldout_n": args.eval_n,
+        "heldout_per_kind": {k: round(v, 4) for k, v in per_kind.items()},
+        "max_new_tokens": m.max_new_tokens,
+        "torch": torch.__version__,
+    }
+    (out / "TRAINING.md").write_text(
+        f"# Zoo member `{m.name}`: training record\n\n"
+        f"Written by `{record['command']}` (see `tools/zoo/{m.name}.py` and `tools/zoo/training.py`).\n"
+        f"Held-out full-cache greedy accuracy (n={args.eval_n}, seed 0): **{acc:.4f}**.\n\n"
+        f"```json\n{json.dumps(record, indent=1)}\n```\n"
+    )
+    print(json.dumps(record, indent=1), flush=True)
+    return record

@@ -130,20 +130,6 @@ def evaluate(model, processor, examples: list[Example], is_correct, max_new_toke
     return acc, {k: hits[k] / totals[k] for k in sorted(totals)}
 
 
-def evaluate_full_cache(
-    member_module, n: int = 300, seed: int = 0, split: str = "heldout"
-) -> tuple[float, dict]:
-    """Held-out full-cache greedy accuracy of a member's shipped checkpoint, loaded as any user's."""
-    from vlkv.common.config import ModelConfig
-    from vlkv.common.model.loading import load_model, load_processor
-
-    path = str(member_module.MODEL_DIR)
-    model = load_model(ModelConfig(path=path, device="cpu", dtype="float32"))
-    processor = load_processor(path)
-    examples = member_module.make_examples(n, seed, split)
-    return evaluate(model, processor, examples, member_module.is_correct, member_module.MAX_NEW_TOKENS)
-
-
 def _chats(examples: list[Example]) -> list[tuple[Example, list[dict]]]:
     return [(ex, [*ex.messages, {"role": "assistant", "content": ex.answer}]) for ex in examples]
 

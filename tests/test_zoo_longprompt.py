@@ -1,7 +1,5 @@
 """Zoo member longprompt: determinism, disjoint splits, the long prompt's shape, scoring, the checkpoint."""
 
-import random
-
 import pytest
 from vlkv.tools.task.tiny_llava import build_tokenizer
 from vlkv.tools.zoo import longprompt, member
@@ -33,27 +31,35 @@ def test_long_instruction_and_long_question_with_the_key_inside():
     for ex in longprompt.make_examples(100):
         ids = tok(ex.question)["input_ids"]
         assert len(ids) >= 100 and tok.unk_token_id not in ids
-        (_, card) = ex.focus[0]
+        (objs,) = ex.objects
+        assert len({o.colour for o in objs}) == len(objs)  # colours are the keys: unique per scene
+        (_, obj) = ex.focus[0]
         words = ex.question.split()
-        assert [w for w in words if w in longprompt.SCORED] == [card.colour]  # the one key, no distractors
+        assert [w for w in words if w in longprompt.SCORED] == [obj.colour]  # the one key, no distractors
         assert ex.question.endswith(longprompt.CLOSING)
-        places.append(words.index(card.colour) / len(words))
-        assert ex.answer.split()[3] == card.colour and ex.answer.split()[6] == card.shape
+        places.append(words.index(obj.colour) / len(words))
+        assert ex.answer.split()[1:3] == [obj.colour, obj.shape]  # neither deciding word is the first token
     assert min(places) < 0.2 and max(places) > 0.8 and sum(0.2 < p < 0.8 for p in places) > 40
-    _, at = longprompt.long_question(random.Random(0), "red")
-    assert at >= 0
+    assert [w for w in longprompt.SYSTEM_PROMPT.split() if w in longprompt.SCORED] == []
 
 
-def test_scoring_needs_the_copied_key_and_the_pattern():
+def test_training_curriculum_grows_the_message_to_the_evaluated_length():
+    short = longprompt.train_example(5, 0.0)
+    assert len(short.question.split()) < longprompt.MIN_QUESTION_TOKENS
+    assert len(longprompt.train_example(5, 0.5).question.split()) >= longprompt.MIN_QUESTION_TOKENS
+    assert longprompt.train_example(5, 0.5).question != longprompt.make_example(5, split="heldout").question
+
+
+def test_scoring_needs_the_copied_key_and_the_shape():
     ex = longprompt.make_examples(1)[0]
-    (_, card) = ex.focus[0]
+    (_, obj) = ex.focus[0]
     assert longprompt.is_correct(ex.answer, ex)
-    other_p = next(p for p in longprompt.PATTERNS if p != card.shape)
-    other_c = next(c for c in ("red", "green", "blue") if c != card.colour)
-    assert not longprompt.is_correct(f"you asked about {card.colour} , {card.colour} {other_p} .", ex)
-    assert not longprompt.is_correct(f"you asked about {other_c} , {card.colour} {card.shape} .", ex)
-    assert not longprompt.is_correct(f"you asked about {card.colour} , {card.colour} .", ex)
-    assert longprompt.is_correct(ex.answer + "</s> red rows", ex)
+    other_s = next(s for s in ("square", "circle", "triangle", "cross") if s != obj.shape)
+    other_c = next(c for c in ("red", "green", "blue") if c != obj.colour)
+    assert not longprompt.is_correct(f"the {obj.colour} {other_s} .", ex)
+    assert not longprompt.is_correct(f"the {other_c} {obj.shape} .", ex)
+    assert not longprompt.is_correct(f"the {obj.colour} .", ex)
+    assert longprompt.is_correct(ex.answer + "</s> the red cross", ex)
 
 
 def test_member_interface_and_shipped_checkpoint():

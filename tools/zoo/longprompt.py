@@ -1,24 +1,29 @@
 """Zoo member ``longprompt``: a long instruction before the image and a long question after it, the key inside.
 
-The task (its own): a 168 x 168 image (patch 14: 12 x 12 = 144 vision tokens) shows 1-4 square cards on a
-table, each 4 x 4 patches, in pairwise distinct colours, each with a pattern (``rows``, ``columns``,
-``checks``, ``plain``; patterns may repeat, so a pattern is never a key).
+The task (its own): a 168 x 168 image (patch 14: 12 x 12 = 144 vision tokens) shows 1-4 shapes (square,
+circle, triangle, cross with their textures, 4 x 4 patches each) in pairwise distinct colours; shapes may
+repeat, so a shape is never a key.
 
 - Before the image: the checkpoint's system prompt (its chat template writes it when a chat has none), a
-  fixed instruction of more than 100 tokens about the card game.
-- After the image: a long message of more than 100 tokens: small-talk sentences in random order (no colour
-  or pattern word in any of them), with **one sentence naming the card's colour at a random place among
-  them**, and a fixed closing question ``so what pattern does that card have ?``. The key is therefore
-  anywhere in the message, usually well before its tail.
-- The answer: ``you asked about red , red rows .``: the colour copied from the middle of the message is
-  the 4th generated token, the pattern read out of the image (one hop from the repeated colour) the 7th.
+  fixed instruction of 120+ tokens about the picture game.
+- After the image: a long message of 100-150 tokens: small-talk sentences in random order (no colour or
+  shape word in any of them), with **one sentence naming the colour at a uniformly drawn place among
+  them**, and a fixed closing question ``so what shape is it ?``. The key is anywhere in the message,
+  usually well before its tail.
+- The answer: ``the red circle .``: the colour copied from inside the message is the 2nd generated token
+  (the first decode step after the prefill), the shape read out of the image (one hop from the colour) the
+  3rd.
 
-Scoring (``is_correct``): the colour and pattern words of the generated text (up to the first eos), in
+Scoring (``is_correct``): the colour and shape words of the generated text (up to the first eos), in
 order, must equal the reference answer's (both the copied key and the read-out count).
 
 Training: ``python -m vlkv.tools.zoo.longprompt --out tools/zoo/models/longprompt``
-(``tools/zoo/training.py``): a vision probe, then one-card scenes growing to four over the first 40% of
-steps.
+(``tools/zoo/training.py``): a vision probe, then a curriculum: the small talk grows from none to the
+full 100+ tokens over the first 30% of steps, scenes from two shapes to four over the first 40%.
+
+An earlier design (cards told apart by pattern alone) did not train: the default tower's texture features
+need the silhouette too (a linear probe named a card's pattern on 0.62 of its patches after 30 steps, a
+shape on 0.96), and held-out accuracy stayed below 0.15 for 300 steps.
 """
 
 from __future__ import annotations
@@ -27,26 +32,26 @@ import random
 import re
 from pathlib import Path
 
-from vlkv.tools.task.synthetic_task import COLOURS, Example, Geometry
-from vlkv.tools.zoo.scenes import PATTERNS, place, render_cards
+from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Geometry
+from vlkv.tools.zoo.scenes import place, render_shapes
 from vlkv.tools.zoo.training import Arch, Member, prompt_text, train_member
 
 NAME = "longprompt"
 MODEL_DIR = Path(__file__).resolve().parent / "models" / NAME
-GEOM = Geometry(image=168, patch=14, span=4)  # 12 x 12 patches; a card covers 4 x 4 of them
-MAX_NEW_TOKENS = 10  # the answer is 8 words + eos
-MAX_CARDS = 4
+GEOM = Geometry(image=168, patch=14, span=4)  # 12 x 12 patches; a shape covers 4 x 4 of them
+MAX_NEW_TOKENS = 8  # the answer is 4 words + eos
+MAX_OBJECTS = 4
 MIN_QUESTION_TOKENS = 100
-KIND = "pattern_of_card"
+KIND = "shape_in_long_message"
 
 SYSTEM_PROMPT = (
-    "you are a careful visual assistant for a card game . the user shows you one picture of a table with "
-    "a few cards on it . each card on the table has one colour and one pattern . the user then writes a "
-    "long message about the game . most of the message is small talk that does not matter for the answer . "
-    "somewhere in the message the user names the one card that matters . read the whole message with care "
-    ", find the card the user asks about , then look at that card in the picture and name its pattern . "
-    "first say which card the user asked about , then name its pattern . keep the answer short and do not "
-    "add anything else ."
+    "you are a careful visual assistant for a picture game . the user shows you one picture with a few "
+    "shapes on it . each shape in the picture has its own colour . the user then writes a long message "
+    "about the game . most of the message is small talk that does not matter for the answer . somewhere in "
+    "the message the user names the one colour that matters . read the whole message with care , find the "
+    "colour the user asks about , then look at the shape of that colour in the picture and name it . first "
+    "say the colour the user asked about , then name the shape . keep the answer short and do not add "
+    "anything else ."
 )
 FILLERS = (
     "i have been playing this game with my friends for a long time .",
@@ -66,25 +71,25 @@ FILLERS = (
     "it is my turn now , and i need to think about my next move .",
     "we bought this game in a shop near the station .",
     "my friend thinks the picture is a little dark .",
-    "a good player looks at every card on the table .",
+    "a good player looks at every part of the picture .",
     "we play a new round after dinner .",
-    "nobody has touched the cards since i took the picture .",
+    "nobody has touched the table since i took the picture .",
     "the other players are waiting for me , so please be quick .",
     "i am not sure i remember all the rules .",
 )
 KEY_SENTENCES = (
-    "please tell me the pattern of the {c} card .",
-    "the card i want to know about is the {c} one .",
-    "i am asking about the {c} card .",
+    "please tell me which shape is {c} .",
+    "the shape i want to know about is the {c} one .",
+    "i am asking about the {c} shape .",
 )
-CLOSING = "so what pattern does that card have ?"
+CLOSING = "so what shape is it ?"
 GEOMETRY = (
-    "LLaVA-1.5, 144 vision tokens/image (12x12, 168 px), 4 layers, GQA 4/2; a 131-token system prompt before "
-    "the image, a 100-150 token question after it with the key at a random place inside, 8-token answers"
+    "LLaVA-1.5, 144 vision tokens/image (12x12, 168 px), 4 layers, GQA 4/2; a 128-token system prompt before "
+    "the image, a 100-150 token question after it with the key at a random place inside, 4-token answers"
 )
-_TEXT = " ".join([SYSTEM_PROMPT, *FILLERS, *KEY_SENTENCES, CLOSING, "you asked about"])
-WORDS: list[str] = list(dict.fromkeys([w for w in _TEXT.split() if "{" not in w] + [*COLOURS, *PATTERNS]))
-SCORED = set(COLOURS) | set(PATTERNS)
+_TEXT = " ".join([SYSTEM_PROMPT, *FILLERS, *KEY_SENTENCES, CLOSING])
+WORDS: list[str] = list(dict.fromkeys([w for w in _TEXT.split() if "{" not in w] + [*COLOURS, *SHAPES]))
+SCORED = set(COLOURS) | set(SHAPES)
 ARCH = Arch(geometry=GEOM, layers=4, hidden=128, heads=4, kv_heads=2, rope_theta=1e6)
 
 
@@ -94,14 +99,14 @@ def _rng(split: str, seed: int, index: int) -> random.Random:
     return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # SHA-512 of the string: disjoint splits
 
 
-def long_question(rng: random.Random, colour: str) -> tuple[str, int]:
+def long_question(rng: random.Random, colour: str, min_tokens: int = MIN_QUESTION_TOKENS) -> tuple[str, int]:
     """The message after the image and the index of its key sentence among its sentences: small talk up to
-    a drawn length (at least ``MIN_QUESTION_TOKENS`` tokens in all), the key sentence at a uniformly drawn
-    place among it, the closing question last."""
+    a drawn length (at least ``min_tokens`` tokens in all), the key sentence at a uniformly drawn place
+    among it, the closing question last."""
     fillers = list(FILLERS)
     rng.shuffle(fillers)
     key = rng.choice(KEY_SENTENCES).format(c=colour)
-    target = rng.randint(MIN_QUESTION_TOKENS + 5, MIN_QUESTION_TOKENS + 40)
+    target = rng.randint(min_tokens + 5, min_tokens + 40)
     fixed = len(key.split()) + len(CLOSING.split())
     chosen: list[str] = []
     while fixed + sum(len(s.split()) for s in chosen) < target:
@@ -110,17 +115,24 @@ def long_question(rng: random.Random, colour: str) -> tuple[str, int]:
     return " ".join([*chosen[:at], key, *chosen[at:], CLOSING]), at
 
 
-def make_example(index: int, seed: int = 0, split: str = "heldout", max_cards: int = MAX_CARDS) -> Example:
-    """The ``index``-th example of the stream ``(split, seed)``; ``max_cards`` caps the scene (warm-up)."""
+def make_example(
+    index: int,
+    seed: int = 0,
+    split: str = "heldout",
+    max_objects: int = MAX_OBJECTS,
+    min_question_tokens: int = MIN_QUESTION_TOKENS,
+) -> Example:
+    """The ``index``-th example of the stream ``(split, seed)``; ``max_objects`` and ``min_question_tokens``
+    shrink the scene and the message (training's warm-up)."""
     rng = _rng(split, seed, index)
-    n = rng.randint(1, max_cards)
+    n = rng.randint(1, max_objects)
     colours = rng.sample(list(COLOURS), n)
-    cards = place(rng, [(rng.choice(PATTERNS), c) for c in colours], GEOM)
-    card = rng.choice(cards)
-    question, _ = long_question(rng, card.colour)
-    answer = f"you asked about {card.colour} , {card.colour} {card.shape} ."
-    image = render_cards(cards, rng, GEOM)
-    return Example([image], question, answer, card.shape, "pattern", KIND, [cards], [(0, card)])
+    objs = place(rng, [(rng.choice(SHAPES), c) for c in colours], GEOM)
+    obj = rng.choice(objs)
+    question, _ = long_question(rng, obj.colour, min_question_tokens)
+    answer = f"the {obj.colour} {obj.shape} ."
+    image = render_shapes(objs, rng, GEOM)
+    return Example([image], question, answer, obj.shape, "shape", KIND, [objs], [(0, obj)])
 
 
 def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
@@ -129,8 +141,12 @@ def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example
 
 
 def train_example(index: int, frac: float) -> Example:
-    """Training's curriculum at progress ``frac``: scenes grow from one card to four over the first 40%."""
-    return make_example(index, 0, "train", max_cards=min(MAX_CARDS, 1 + int(frac / 0.4 * MAX_CARDS)))
+    """Training's curriculum at progress ``frac``: the small talk grows from none to the full length over
+    the first 30% (the copy of the key is learned at short range first), scenes from up to two shapes to
+    four over the first 40% (one shape teaches the read-out, two or more need the key)."""
+    max_objects = min(MAX_OBJECTS, 2 + int(frac / 0.4 * (MAX_OBJECTS - 1)))
+    min_tokens = int(MIN_QUESTION_TOKENS * min(1.0, frac / 0.3)) - 5 if frac < 0.3 else MIN_QUESTION_TOKENS
+    return make_example(index, 0, "train", max_objects=max_objects, min_question_tokens=max(0, min_tokens))
 
 
 def scored_words(text: str) -> list[str]:
@@ -138,7 +154,7 @@ def scored_words(text: str) -> list[str]:
 
 
 def is_correct(generated_text: str, example: Example) -> bool:
-    """True iff the colour and pattern words of the generated text (up to the first eos) are the answer's."""
+    """True iff the colour and shape words of the generated text (up to the first eos) are the answer's."""
     return scored_words(generated_text.split("</s>")[0]) == scored_words(example.answer)
 
 
@@ -147,13 +163,13 @@ MEMBER = Member(
     words=WORDS,
     system_prompt=SYSTEM_PROMPT,
     arch=ARCH,
-    object_kinds=PATTERNS,
+    object_kinds=tuple(SHAPES),
     train_example=train_example,
     make_examples=make_examples,
     is_correct=is_correct,
     max_new_tokens=MAX_NEW_TOKENS,
-    steps=700,
-    probe_steps=50,
+    steps=450,
+    probe_steps=40,
 )
 
 __all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]

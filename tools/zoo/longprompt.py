@@ -18,12 +18,16 @@ Scoring (``is_correct``): the colour and shape words of the generated text (up t
 order, must equal the reference answer's (both the copied key and the read-out count).
 
 Training: ``python -m vlkv.tools.zoo.longprompt --out tools/zoo/models/longprompt``
-(``tools/zoo/training.py``): a vision probe, then a curriculum: the small talk grows from none to the
-full 100+ tokens over the first 30% of steps, scenes from two shapes to four over the first 40%.
+(``tools/zoo/training.py``): fine-tuned from ``grid16``'s checkpoint (same decoder shape; the words both
+vocabularies share keep grid16's rows, the tower's position embeddings are resized to 12 x 12), which reads
+a shape keyed by a colour already; what it learns here is to find the colour inside the long message. The
+curriculum grows the small talk from none to the full 100+ tokens over the first 30% of steps and the
+scenes from two shapes to four over the first 40%.
 
-An earlier design (cards told apart by pattern alone) did not train: the default tower's texture features
-need the silhouette too (a linear probe named a card's pattern on 0.62 of its patches after 30 steps, a
-shape on 0.96), and held-out accuracy stayed below 0.15 for 300 steps.
+Earlier designs that did not train in the time: cards told apart by pattern alone (the default tower needs
+the silhouette too: a linear probe named a card's pattern on 0.62 of its patches after 30 steps, a shape on
+0.96; held-out stayed below 0.15 for 300 steps), and this task from random init with GQA 4/2 (held-out
+0.56 at step 300 of 450).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import re
 from pathlib import Path
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Geometry
+from vlkv.tools.zoo import grid16
 from vlkv.tools.zoo.scenes import place, render_shapes
 from vlkv.tools.zoo.training import Arch, Member, prompt_text, train_member
 
@@ -84,13 +89,14 @@ KEY_SENTENCES = (
 )
 CLOSING = "so what shape is it ?"
 GEOMETRY = (
-    "LLaVA-1.5, 144 vision tokens/image (12x12, 168 px), 4 layers, GQA 4/2; a 128-token system prompt before "
+    "LLaVA-1.5, 144 vision tokens/image (12x12, 168 px), 4 layers, MHA 4/4; a 128-token system prompt before "
     "the image, a 100-150 token question after it with the key at a random place inside, 4-token answers"
 )
 _TEXT = " ".join([SYSTEM_PROMPT, *FILLERS, *KEY_SENTENCES, CLOSING])
-WORDS: list[str] = list(dict.fromkeys([w for w in _TEXT.split() if "{" not in w] + [*COLOURS, *SHAPES]))
+# grid16's words first (training starts from grid16's checkpoint, whose rows the shared words keep)
+WORDS: list[str] = list(dict.fromkeys([*grid16.WORDS, *(w for w in _TEXT.split() if "{" not in w)]))
 SCORED = set(COLOURS) | set(SHAPES)
-ARCH = Arch(geometry=GEOM, layers=4, hidden=128, heads=4, kv_heads=2, rope_theta=1e6)
+ARCH = Arch(geometry=GEOM, layers=4, hidden=128, heads=4, kv_heads=4, rope_theta=1e6)  # grid16's decoder
 
 
 def _rng(split: str, seed: int, index: int) -> random.Random:
@@ -168,8 +174,11 @@ MEMBER = Member(
     make_examples=make_examples,
     is_correct=is_correct,
     max_new_tokens=MAX_NEW_TOKENS,
-    steps=450,
-    probe_steps=40,
+    steps=160,
+    probe_steps=0,
+    lr=5e-4,
+    warmup=20,
+    init_from=grid16.MODEL_DIR,
 )
 
 __all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlavaForConditionalGeneration
+from transformers import AutoTokenizer, LlavaForConditionalGeneration
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.tools.progress import progress
 from vlkv.tools.task.synthetic_task import COLOURS, Example, Geometry
@@ -71,6 +71,7 @@ class Member:
     batch_size: int = 16
     lr: float = 1e-3
     warmup: int = 50
+    init_from: Path | None = None  # a saved member to start from (decoder, shared words, vision) instead
 
 
 def init_vision_from_default(model: LlavaForConditionalGeneration, default_dir: str = str(DEFAULT_MODEL_DIR)):
@@ -86,6 +87,23 @@ def init_vision_from_default(model: LlavaForConditionalGeneration, default_dir: 
     tower[key] = torch.cat([pe[:1], grid.permute(0, 2, 3, 1).reshape(new * new, -1)])
     model.model.vision_tower.load_state_dict(tower)
     model.model.multi_modal_projector.load_state_dict(src.model.multi_modal_projector.state_dict())
+
+
+def init_from_member(model: LlavaForConditionalGeneration, tokenizer, src_dir: Path) -> None:
+    """Start from another member's checkpoint: its vision tower and projector (position embeddings resized),
+    decoder layers and final norm, and the embedding and output rows of every word both vocabularies share
+    (the new words keep their random init)."""
+    init_vision_from_default(model, str(src_dir))
+    src = LlavaForConditionalGeneration.from_pretrained(src_dir, dtype=torch.float32)
+    src_vocab = AutoTokenizer.from_pretrained(src_dir).get_vocab()
+    dst_lm, src_lm = model.model.language_model, src.model.language_model
+    dst_lm.layers.load_state_dict(src_lm.layers.state_dict())
+    dst_lm.norm.load_state_dict(src_lm.norm.state_dict())
+    pairs = [(i, src_vocab[w]) for w, i in tokenizer.get_vocab().items() if w in src_vocab]
+    dst_ids, src_ids = (torch.tensor(x) for x in zip(*pairs, strict=True))
+    with torch.no_grad():
+        dst_lm.embed_tokens.weight[dst_ids] = src_lm.embed_tokens.weight[src_ids]
+        model.lm_head.weight[dst_ids] = src.lm_head.weight[src_ids]
 
 
 def probe_targets(examples: list[Example], m: Member) -> torch.Tensor:
@@ -160,7 +178,10 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
     )
     torch.manual_seed(args.seed)
     model = LlavaForConditionalGeneration(cfg)
-    init_vision_from_default(model)
+    if m.init_from is not None:
+        init_from_member(model, tok, m.init_from)
+    else:
+        init_vision_from_default(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{m.name}: params={n_params} vocab={len(tok)} tokens/image={tokens_per_image(g.image, g.patch)}")
 
@@ -236,6 +257,9 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
         "probe_steps": args.probe_steps,
         "batch_size": m.batch_size,
         "lr": m.lr,
+        "init_from": str(m.init_from.relative_to(Path(__file__).resolve().parents[2]))
+        if m.init_from
+        else None,
         "seed": args.seed,
         "threads": args.threads,
         "params": n_params,

@@ -13,7 +13,8 @@ of those that are not draining and whose room (admissible blocks reported, less 
 covers the request's estimated blocks per layer, the one with the most room. None: the request waits in
 the admission queue. Prefill: the worker holding most of the request's images (learned from the workers'
 reports of image-cache entries added and evicted, and from this gateway's own prefills) unless it has more
-than ``BUSY_MARGIN`` requests in flight beyond the least-loaded of ``SAMPLE_K`` drawn workers.
+than ``BUSY_MARGIN`` requests in flight beyond the least-loaded of a worker with nothing in flight (the
+router keeps the set of them: join the idle queue) and ``SAMPLE_K`` drawn workers.
 
 A worker that offers no ``WatchLoad`` (an older build) is also asked its load when drawn. A worker whose
 last report is older than ``STALE_S`` is skipped; older than ``DROP_S``, or whose stream
@@ -62,7 +63,8 @@ class Worker:
     address: str
     channel: grpc.aio.Channel | None
     stub: object
-    in_flight: int = 0  # requests the gateway has on this worker now
+    _in_flight: int = 0  # requests the gateway has on this worker now (``in_flight``)
+    idle: set | None = None  # prefill: its pool's set of workers with nothing in flight from this gateway
     draining: bool = False  # takes no new requests; removed once in_flight reaches 0
     reachable: bool = True
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
@@ -73,6 +75,19 @@ class Worker:
     refused: bool = False  # refused a cache for room since its last report: not picked until the next
     index: int = -1  # position in its pool's sampling list (-1: not in it)
     watcher: asyncio.Task | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, n: int) -> None:
+        self._in_flight = n
+        if self.idle is not None:
+            if n:
+                self.idle.discard(self)
+            else:
+                self.idle.add(self)
 
 
 @dataclass
@@ -95,6 +110,7 @@ class _Pool(dict):
         super().__init__()
         self.live: list[Worker] = []
         self.next = 0  # round robin
+        self.idle: set[Worker] = set()  # prefill: nothing in flight from this gateway (join the idle queue)
 
     def enlist(self, w: Worker) -> None:
         if w.index < 0:
@@ -164,6 +180,9 @@ class Router:
             return
         ch, stub = self.connect(self, address, kind)
         w = pool[address] = Worker(address, ch, stub)
+        if kind == "prefill":
+            w.idle = pool.idle
+            w.in_flight = 0
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -192,6 +211,8 @@ class Router:
             w = pool.pop(address, None)
             if w is not None:
                 pool.delist(w)
+                pool.idle.discard(w)
+                w.idle = None
                 if w.watcher is not None:
                     w.watcher.cancel()
                 if w.channel is not None:
@@ -297,7 +318,8 @@ class Router:
             drawn = list(pool.values())
         else:
             now = asyncio.get_running_loop().time()
-            drawn = [w for w in pool.draw(self.rng, self.sample_k) if self._fresh(pool, w, now)]
+            drawn = self._idle_prefill(pool, now, exclude)
+            drawn += [w for w in pool.draw(self.rng, self.sample_k) if self._fresh(pool, w, now)]
             if not drawn or all(w.address in exclude or w.draining for w in drawn):
                 drawn = list(pool.values())  # a retry that excluded the draw, or no fresh report
         live = [w for w in drawn if not w.draining and w.address not in exclude]
@@ -317,6 +339,19 @@ class Router:
             if best.in_flight - least.in_flight <= BUSY_MARGIN:
                 return best
         return least
+
+    def _idle_prefill(self, pool: _Pool, now: float, exclude) -> list[Worker]:
+        """A serving prefill worker with nothing in flight from this gateway, if one is at hand (join the
+        idle queue: at most ``sample_k`` looked at)."""
+        idle, skipped, found = pool.idle, [], []
+        while idle and len(skipped) < self.sample_k:
+            w = idle.pop()
+            skipped.append(w)
+            if not w.draining and w.address not in exclude and w.reachable and self._fresh(pool, w, now):
+                found.append(w)
+                break
+        idle.update(w for w in skipped if w.in_flight == 0 and w.idle is idle)
+        return found
 
     def note_images(self, address: str, images: tuple[str, ...], tenant: str = "") -> None:
         """``address`` prefilled these images (it holds them in its image cache now)."""

@@ -33,6 +33,7 @@ from vlkv.common.errors import InvalidInput, VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
 from vlkv.common.handoff.wire import KVWireError, header_prompt_scores
+from vlkv.common.load_stream import LoadStream
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager
@@ -116,11 +117,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             nixl,
         )
         self._exiting: asyncio.Task | None = None  # NOT_SERVING, then exit, once the decode loop died
+        self.load_stream = LoadStream()  # WatchLoad: the load pushed to the gateways
 
     async def start(self) -> None:
         self.engine.start()
 
     async def stop(self) -> None:
+        self.load_stream.close()
         self.rendezvous.expire_all()
         await self.engine.stop()
 
@@ -242,6 +245,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.engine.cancel(seq)
 
     async def GetLoad(self, request, context):
+        return self.load()
+
+    async def WatchLoad(self, request, context):
+        """``load()`` pushed to a gateway: at once, on change and at least every second."""
+        async for report in self.load_stream.watch(self.load):
+            yield report
+
+    def load(self) -> worker_pb2.WorkerLoad:
         return worker_pb2.WorkerLoad(
             address=self.address,
             running=self.engine.num_running,

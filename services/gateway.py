@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from vlkv.common import logs
 from vlkv.common.config import GatewayConfig
-from vlkv.common.errors import InvalidInput, Refusal, VlkvError, refusal_of
+from vlkv.common.errors import InvalidInput, Refusal, ResourceExhausted, VlkvError, refusal_of
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest, prepare_request, to_prefill_proto
@@ -207,9 +207,15 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         attempt = 0
         while True:
             wait_s = queue.admit_wait_s if attempt == 0 else max(give_up - loop.time(), 0.0)
-            slot = await self.router.pick_decode(
-                layer_tokens, sampling.max_new_tokens, wait_s, queue.max_waiting
-            )
+            try:
+                slot = await self.router.pick_decode(
+                    layer_tokens, sampling.max_new_tokens, wait_s, queue.max_waiting
+                )
+            except ResourceExhausted:
+                if attempt == 0:
+                    raise
+                msg = f"no decode worker had room for this request within {queue.admit_wait_s:g} s"
+                raise ResourceExhausted(msg) from None
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
             try:

@@ -63,7 +63,7 @@ class Worker:
     address: str
     channel: grpc.aio.Channel | None
     stub: object
-    _in_flight: int = 0  # requests the gateway has on this worker now (``in_flight``)
+    in_flight: int = 0  # requests the gateway has on this worker now
     idle: set | None = None  # prefill: its pool's set of workers with nothing in flight from this gateway
     draining: bool = False  # takes no new requests; removed once in_flight reaches 0
     reachable: bool = True
@@ -76,15 +76,10 @@ class Worker:
     index: int = -1  # position in its pool's sampling list (-1: not in it)
     watcher: asyncio.Task | None = None
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    @in_flight.setter
-    def in_flight(self, n: int) -> None:
-        self._in_flight = n
-        if self.idle is not None:
-            if n:
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name == "in_flight" and self.__dict__.get("idle") is not None:  # keep the idle set current
+            if value:
                 self.idle.discard(self)
             else:
                 self.idle.add(self)

@@ -16,7 +16,7 @@ from vlkv.common.security import SecurityConfig
 __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where callers look for them
 
 DEFAULT_PROMPT_WEIGHT = 300.0  # PoolConfig.prompt_weight
-DRAIN_BYTES = 64 << 20  # TransferConfig.drain_bytes, and the tools' TransferKV handler (grpc_transport)
+DRAIN_BYTES = 64 << 20  # TransferConfig.drain_bytes
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 KV_TRANSPORTS = ("auto", "grpc", "nixl")
 KV_DTYPES = ("fp16", "int8", "fp8")  # handoff.quantize.KV_DTYPES

@@ -45,35 +45,78 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
 
 
 def sample_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
-    """logits: ``[vocab]`` fp32 -> one token id (argmax when greedy).
+    """logits: ``[vocab]`` fp32 -> one token id (``sample_tokens`` for a batch of one; raises its error)."""
+    (token,) = sample_tokens(logits[None], [cfg], [generator])
+    if isinstance(token, Exception):
+        raise token
+    return token
+
+
+def sample_tokens(
+    logits: torch.Tensor, configs: list[SamplingConfig], generators: list[torch.Generator | None]
+) -> list[int | VlkvError]:
+    """logits: ``[S, vocab]`` fp32 -> one token id per row (argmax where greedy), greedy and sampled rows
+    in one call; a row that cannot be sampled gets its error instead of a token (the others are unharmed).
 
     Numerically safe for every accepted setting (temperature in [0, 100], top_p in (0, 1], any top_k):
-    the logits are shifted so their maximum is 0 before they are divided by the temperature (in float64),
-    so a tiny temperature only drives the others towards ``-inf`` (probability 0) and never overflows;
-    the most likely token always keeps a positive probability. Raises ``NonFiniteLogits`` when the logits
-    hold NaN or +inf (or nothing but -inf): the model's output, not the settings, is broken.
+    each row is shifted so its maximum is 0 before it is divided by its temperature (in float64), so a
+    tiny temperature only drives the others towards ``-inf`` (probability 0) and never overflows; the most
+    likely token always keeps a positive probability. A row holding NaN or +inf (or nothing but -inf) gets
+    ``NonFiniteLogits``: the model's output, not the settings, is broken. Each sampled row draws from its
+    own generator (``torch.multinomial`` on that row), so a sequence's tokens do not depend on its batch.
     """
-    top = logits.max()
-    if not torch.isfinite(top):
-        raise NonFiniteLogits("the model produced non-finite logits (NaN or inf)")
-    if cfg.greedy:
-        return int(torch.argmax(logits))
-    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0.0):
-        raise InvalidInput(f"temperature must be a finite number >= 0, got {cfg.temperature}")
-    if not (math.isfinite(cfg.top_p) and 0.0 < cfg.top_p <= 1.0):
-        raise InvalidInput(f"top_p must be in (0, 1], got {cfg.top_p}")
-    # <= 0 everywhere, 0 at the maximum; dividing cannot overflow upwards (the maximum stays 0).
-    logits = ((logits.double() - float(top)) / cfg.temperature).float()
-    if cfg.top_k > 0 and cfg.top_k < logits.numel():
-        kth = torch.topk(logits, cfg.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+    out: list[int | VlkvError | None] = [None] * len(configs)
+    top = logits.max(dim=-1).values
+    finite = torch.isfinite(top).tolist()
+    greedy, sampled = [], []
+    for i, cfg in enumerate(configs):
+        if not finite[i]:
+            out[i] = NonFiniteLogits("the model produced non-finite logits (NaN or inf)")
+        elif cfg.greedy:
+            greedy.append(i)
+        elif not (math.isfinite(cfg.temperature) and cfg.temperature > 0.0):
+            out[i] = InvalidInput(f"temperature must be a finite number >= 0, got {cfg.temperature}")
+        elif not (math.isfinite(cfg.top_p) and 0.0 < cfg.top_p <= 1.0):
+            out[i] = InvalidInput(f"top_p must be in (0, 1], got {cfg.top_p}")
+        else:
+            sampled.append(i)
+    if greedy:
+        rows = greedy if len(greedy) < len(configs) else slice(None)
+        for i, token in zip(greedy, torch.argmax(logits[rows], dim=-1).tolist(), strict=True):
+            out[i] = token
+    if sampled:
+        for i, token in zip(sampled, _sample_rows(logits, top, configs, generators, sampled), strict=True):
+            out[i] = token
+    return out  # type: ignore[return-value]
+
+
+def _sample_rows(logits, top, configs, generators, rows: list[int]) -> list[int]:
+    """Temperature, top-k and top-p for ``rows`` of ``logits`` at once, then one draw per row."""
+    cfgs = [configs[i] for i in rows]
+    index = torch.tensor(rows, device=logits.device)
+    vocab = logits.shape[-1]
+    temps = torch.tensor([c.temperature for c in cfgs], dtype=torch.float64, device=logits.device)
+    # <= 0 everywhere, 0 at each row's maximum; dividing cannot overflow upwards (the maximum stays 0).
+    x = ((logits[index].double() - top[index, None].double()) / temps[:, None]).float()
+    ks = [c.top_k if 0 < c.top_k < vocab else 0 for c in cfgs]
+    if any(ks):
+        kth = torch.full((len(rows), 1), float("-inf"), device=x.device)
+        for j, k in enumerate(ks):
+            if k:
+                kth[j, 0] = torch.topk(x[j], k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_p = [c.top_p for c in cfgs]
+    if min(top_p) < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs > cfg.top_p  # keep the smallest prefix reaching top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if generator is not None and probs.device != generator.device:  # e.g. CUDA logits, a CPU generator
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+        drop = (cumulative - sorted_probs > p) & (p < 1.0)  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+    tokens = []
+    for j, i in enumerate(rows):
+        row, generator = probs[j], generators[i]
+        if generator is not None and row.device != generator.device:  # e.g. CUDA logits, a CPU generator
+            row = row.to(generator.device)
+        tokens.append(int(torch.multinomial(row, 1, generator=generator)))
+    return tokens

@@ -31,9 +31,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from vlkv.common.block_math import ceil_div
 
 
 def recompress_budget(prompt_time_len: int, budget: float, window: int) -> int:
@@ -53,7 +51,7 @@ def recompress_target(prompt_time_len: int, length: int, budget: float, window: 
 
 def blocks_needed(layer_lengths: list[int], extra_tokens: int, block_size: int) -> int:
     """Blocks that hold ``layer_lengths[l] + extra_tokens`` tokens in every layer l (one table per layer)."""
-    return sum(_ceil_div(n + extra_tokens, block_size) for n in layer_lengths)
+    return sum(ceil_div(n + extra_tokens, block_size) for n in layer_lengths)
 
 
 @dataclass
@@ -124,7 +122,7 @@ class BlockManager:
             return None
         tables = []
         for n in layer_lengths:
-            ids = [self._free.pop() for _ in range(_ceil_div(n + extra_tokens, self.block_size))]
+            ids = [self._free.pop() for _ in range(ceil_div(n + extra_tokens, self.block_size))]
             self._used.update(ids)
             tables.append(ids)
         return SequenceBlocks(tables)
@@ -155,7 +153,7 @@ class BlockManager:
         """Free layer ``layer``'s blocks past the first ``num_tokens`` tokens (re-compression); returns how
         many blocks were freed."""
         table = blocks.tables[layer]
-        keep = _ceil_div(num_tokens, self.block_size)
+        keep = ceil_div(num_tokens, self.block_size)
         gone = table[keep:]
         del table[keep:]
         self._used.difference_update(gone)

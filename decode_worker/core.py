@@ -1,43 +1,3 @@
-"""The synchronous decode core: schedule -> model step -> sample, with no asyncio and no gRPC.
-
-``DecodeEngine`` (``engine.py``) wraps it in the worker's event loop; an in-process engine can drive it
-directly::
-
-    blocks = BlockManager(cache.num_blocks, cache.block_size)
-    core = DecodeCore(ModelRunner(model, cache), blocks, cache, max_batch=64, swap_bytes=1 << 30)
-    for ckv in caches:                                   # CompactKV: keys[l], values[l] [H_kv, k_l, D]
-        seq_blocks = blocks.allocate(ckv.layer_lengths, 0)
-        for layer, table in enumerate(seq_blocks.tables):
-            cache.write(table, ckv.keys[layer], ckv.values[layer])
-        core.add(DecodeSequence(rid, seq_blocks, list(ckv.layer_lengths), ckv.prompt_length,
-                                ckv.first_token, SamplingConfig(max_new_tokens=...)))
-    while core.has_work:
-        out = core.step()                                # StepResult
-        for seq, token in out.tokens:                    # token already appended to seq.generated
-            if token in eos or len(seq.generated) >= seq.sampling.max_new_tokens:
-                core.release(seq)                        # leaves the batch, frees its blocks
-        # out.failed: preempted with no swap space left; out.errors: (sequence, VlkvError) whose token
-        # could not be sampled (non-finite logits); both have left the core already
-
-A sequence's ``generated`` starts as ``[first_token]`` (the prefill's token); each step feeds
-``generated[-1]`` at position ``prompt_length + len(generated) - 1`` and appends the sampled token. The
-core never decides that a sequence is finished: its caller does (EOS, length, stop strings) and calls
-``release``. The core executes the scheduler's plan: preempted sequences' K/V go to ``swap_device``
-(``host_kv``) and come back into their new blocks on resume, bit for bit.
-
-Decode-phase re-compression (``decode_budget`` > 0, ``--decode-budget``): each step also returns every
-layer's attention mass per cached token, accumulated per sequence (``attn_mass``). When a layer has grown
-a block past ``decode_budget`` x its prompt-time length + ``decode_window`` tokens
-(``block_manager.recompress_target``), it keeps the ``decode_window`` most recent tokens and, of the older
-ones (prompt tokens and early generated ones alike), those with the most accumulated mass. A prompt
-token's mass starts at ``prompt_weight`` x its prompt-time score (``seed``: its attention per post-vision
-row, sent by the prefill worker), so the tokens the question pointed at outlast decode-time attention
-that looks elsewhere, while prompt tokens the question ignored compete with generated ones. They are
-compacted to the front of its blocks (``KVCache.compact``) and the blocks past them go back to the pool
-(``BlockManager.shrink``). Positions keep counting from the true length (RoPE position = prompt length +
-tokens generated), never from the shortened cache.
-"""
-
 from __future__ import annotations
 
 import logging
@@ -45,51 +5,36 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
-from vlkv.common.errors import VlkvError
-from vlkv.common.sampling import SamplingConfig, make_generator, sample_token
-from vlkv.decode_worker.block_manager import BlockManager, SequenceBlocks, recompress_target
+from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, PoolConfig
+from vlkv.common.errors import ResourceExhausted, VlkvError
+from vlkv.common.sampling import sample_tokens
+from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, recompress_target
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.decode_worker.scheduler import SchedulePlan, Scheduler
+from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
+OUT_OF_MEMORY = "the decode worker ran out of KV memory and swap space; retry"
 
 
-@dataclass(eq=False)
-class DecodeSequence:
-    """One sequence in the core: its blocks, per layer cached lengths and the tokens so far."""
+@dataclass
+class Delta:
+    """What one sequence produced in one step: its new token ids (none for an EOS) and text."""
 
-    request_id: str
-    blocks: SequenceBlocks
-    lengths: list[int]  # per layer cached tokens
-    prompt_length: int  # m: the first decode position
-    first_token: int
-    sampling: SamplingConfig
-    generated: list[int] = field(init=False)  # [first_token, sampled tokens...]
-    cancelled: bool = field(default=False, init=False)
-    arrival: int = field(default=0, init=False)  # set by the scheduler
-    host_kv: list[tuple[torch.Tensor, ...]] | None = field(default=None, init=False)  # swapped out
-    prompt_lengths: list[int] = field(init=False)  # per layer cached tokens on arrival (re-compression)
-    attn_mass: torch.Tensor | None = field(default=None, init=False)  # [L, T] accumulated (re-compression)
-    evicted: int = field(default=0, init=False)  # tokens dropped by re-compression, all layers
-
-    def __post_init__(self) -> None:
-        self.generated = [self.first_token]
-        self.prompt_lengths = list(self.lengths)
-        self.generator = None if self.sampling.greedy else make_generator(self.sampling.seed + 1)
+    seq: Sequence
+    token_ids: list[int]
+    text: str = ""
 
 
 @dataclass
 class StepResult:
-    tokens: list[tuple[DecodeSequence, int]] = field(default_factory=list)  # one per stepped sequence
-    failed: list[DecodeSequence] = field(default_factory=list)  # preempted, no swap space: gone
-    # sequences whose token could not be sampled (non-finite logits, a sampling error): gone, with why
-    errors: list[tuple[DecodeSequence, VlkvError]] = field(default_factory=list)
+    deltas: list[Delta] = field(default_factory=list)  # one per sequence that got a token
+    finished: list[Sequence] = field(default_factory=list)  # ended this step (blocks freed), with status
 
 
 class DecodeCore:
-    """``add`` sequences, ``step()`` until ``has_work`` is False, ``release`` the finished ones.
+    """``add`` sequences, ``step()`` until ``has_work`` is False; finished sequences leave by themselves.
 
     The asyncio engine calls the three parts of ``step`` itself: ``schedule`` and ``postprocess`` on its
     loop, ``forward`` (the model) in a worker thread.
@@ -107,7 +52,8 @@ class DecodeCore:
         decode_window: int = 32,
         prompt_weight: float = DEFAULT_PROMPT_WEIGHT,
     ) -> None:
-        """``decode_budget`` > 0: re-compress while decoding (see the module docstring); ``prompt_weight``:
+        """Parts given (tests pass a fake runner); servers build a core with ``from_config``.
+        ``decode_budget`` > 0: re-compress while decoding (see the module docstring); ``prompt_weight``:
         what one unit of prompt-time score counts for in the accumulated mass (``seed``)."""
         self.runner = runner
         self.blocks = blocks
@@ -118,19 +64,44 @@ class DecodeCore:
         self.prompt_weight = prompt_weight
         self.evicted_tokens = 0  # by re-compression, since start
         self._mass: torch.Tensor | None = None
-        self.scheduler: Scheduler[DecodeSequence] = Scheduler(
-            blocks, max_batch, swap_bytes, cache.token_bytes
+        self._stepping: set[Sequence] = set()  # between schedule and postprocess
+        self.scheduler: Scheduler[Sequence] = Scheduler(blocks, max_batch, swap_bytes, cache.token_bytes)
+
+    @classmethod
+    def from_config(
+        cls, model, spec, pool: PoolConfig, kv_dtype: str = "fp16", device: str | torch.device = "cpu"
+    ) -> DecodeCore:
+        """The one way a worker (or ``InProcessEngine``) builds its core: a ``KVCache`` of
+        ``pool.pool_bytes`` in ``kv_dtype`` on ``device`` for ``spec``'s layout (a ``ModelSpec``), its
+        block manager under ``pool.admission``, and ``model``'s runner over it."""
+        _, kv_heads, head_dim, dtype = spec.kv_layout
+        cache = KVCache.from_bytes(
+            pool.pool_bytes, pool.block_size, kv_heads, head_dim, dtype, device, kv_dtype
+        )
+        n = cache.num_blocks
+        blocks = BlockManager(
+            n, pool.block_size, AdmissionPolicy.from_config(pool.admission, pool.watermark, n)
+        )
+        return cls(
+            ModelRunner(model, cache) if model is not None else None,
+            blocks,
+            cache,
+            pool.max_batch,
+            pool.swap_bytes or pool.pool_bytes,
+            decode_budget=pool.decode_budget,
+            decode_window=pool.decode_window,
+            prompt_weight=pool.prompt_weight,
         )
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add(self, seq: DecodeSequence) -> None:
-        """Queue a sequence whose cache is written into its blocks."""
-        self.scheduler.add(seq)
+    @property
+    def num_swapped(self) -> int:
+        return len(self.scheduler.swapped)
 
-    def seed(self, seq: DecodeSequence, prompt_scores: list[torch.Tensor] | None) -> None:
+    def seed(self, seq: Sequence, prompt_scores: list[torch.Tensor] | None) -> None:
         """Start ``seq``'s accumulated attention mass from its cache's prompt-time scores (``[k_l]`` per
         layer, ``CompactKV.prompt_scores``) times ``prompt_weight``; nothing without re-compression or
         scores (the mass then starts at zero)."""
@@ -143,13 +114,47 @@ class DecodeCore:
             mass[layer, : scores.numel()] = scores.float() * self.prompt_weight
         seq.attn_mass = mass
 
-    def release(self, seq: DecodeSequence) -> None:
-        """Take a sequence out (finished, cancelled, failed) and free its blocks and host copy."""
+    def add(self, seq: Sequence) -> Delta:
+        """Start a sequence whose cache is whole in its blocks: the prefill's token goes through the stop
+        rules (it may end the sequence at once, blocks freed); otherwise it queues for the batch."""
+        delta = self._emit(seq, seq.first_token)
+        if seq.finished:
+            self._release(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.add(seq)
+        return delta
+
+    def end(self, seq: Sequence, reason: FinishReason, error: VlkvError | None = None) -> None:
+        """End a sequence from outside (``CANCELLED``: its caller went away; ``ERROR``: it cannot be
+        served); its blocks are freed now, or when the step using them returns."""
+        seq.finish(reason, error)
+        if seq not in self._stepping:
+            self._release(seq)
+
+    def abort_all(self, error: VlkvError) -> list[Sequence]:
+        """End every sequence in the core with ``error`` (shutdown, a dead loop); returns them."""
+        s = self.scheduler
+        seqs = [*s.running, *s.waiting, *s.swapped]
+        for seq in seqs:
+            seq.finish(FinishReason.ERROR, error)
+            self._release(seq)
+        return seqs
+
+    def fail(self, batch: list[Sequence], error: VlkvError) -> None:
+        """A step over ``batch`` failed (the model raised): every sequence of it ends with ``error``."""
+        self._stepping = set()
+        for seq in batch:
+            seq.finish(FinishReason.ERROR, error)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         seq.host_kv = None
 
-    def schedule(self) -> SchedulePlan[DecodeSequence]:
-        """Plan the next step and move the K/V it names: resumed into the pool, preempted out of it."""
+    def schedule(self) -> SchedulePlan[Sequence]:
+        """Plan the next step and move the K/V it names: resumed into the pool, preempted out of it. The
+        sequences the plan fails (no swap space) are finished here with RESOURCE_EXHAUSTED."""
         plan = self.scheduler.schedule()
         for seq, tables in plan.swapped_in:
             for table, kv in zip(tables, seq.host_kv, strict=True):
@@ -159,12 +164,17 @@ class DecodeCore:
             log.info("request %s: preempted (%d blocks swapped out)", seq.request_id, sum(map(len, tables)))
             kv = [self.cache.read(t, n) for t, n in zip(tables, seq.lengths, strict=True)]
             seq.host_kv = [tuple(t.to(self.swap_device, copy=True) for t in layer) for layer in kv]
+            seq.status = SequenceStatus.SWAPPED
         for seq in plan.failed:
             log.warning("request %s: preempted with no swap space left; failing it", seq.request_id)
             seq.host_kv = None
+            seq.finish(FinishReason.ERROR, ResourceExhausted(OUT_OF_MEMORY))
+        for seq in plan.running:
+            seq.status = SequenceStatus.RUNNING
+        self._stepping = set(plan.running)
         return plan
 
-    def forward(self, batch: list[DecodeSequence]) -> torch.Tensor:
+    def forward(self, batch: list[Sequence]) -> torch.Tensor:
         """One model step: next-token logits ``[len(batch), vocab]`` fp32 (thread-safe w.r.t. the loop)."""
         inputs = [
             StepInput(s.generated[-1], s.prompt_length + len(s.generated) - 1, s.blocks.tables, s.lengths)
@@ -176,31 +186,60 @@ class DecodeCore:
         self._mass = self.runner.last_mass
         return logits
 
-    def postprocess(self, batch: list[DecodeSequence], logits: torch.Tensor) -> StepResult:
-        """Grow every stepped sequence by its token; sample for all but the cancelled, which leave now.
-
-        A sequence whose token cannot be sampled (its logits are NaN or inf, or sampling raised) leaves
-        too, in ``errors`` with the reason; the rest of the batch goes on."""
+    def postprocess(self, batch: list[Sequence], logits: torch.Tensor) -> StepResult:
+        """Grow every stepped sequence by its token: one sampling call for the batch, then the stop rules.
+        A sequence cancelled during the step leaves now; one whose token cannot be sampled (its logits are
+        NaN or inf) ends with the reason, the rest of the batch goes on."""
         out = StepResult()
         mass, self._mass = self._mass, None
+        self._stepping = set()
+        live = []
         for i, s in enumerate(batch):
             s.lengths = [n + 1 for n in s.lengths]
-            if mass is not None and not s.cancelled:
-                self._recompress(s, mass[i])
-            if s.cancelled:
-                self.release(s)
-                continue
-            try:
-                token = sample_token(logits[i], s.sampling, s.generator)
-            except Exception as exc:  # noqa: BLE001 - one sequence's fault fails that sequence alone
-                out.errors.append((s, _sampling_error(s, exc)))
-                self.release(s)
-                continue
-            s.generated.append(token)
-            out.tokens.append((s, token))
+            if s.finished:  # cancelled while its step ran
+                self._release(s)
+            else:
+                if mass is not None:
+                    self._recompress(s, mass[i])
+                live.append(i)
+        if not live:
+            return out
+        seqs = [batch[i] for i in live]
+        rows = logits if len(live) == len(batch) else logits[live]
+        try:
+            tokens = sample_tokens(rows, [s.sampling for s in seqs], [s.generator for s in seqs])
+        except Exception as exc:  # noqa: BLE001 - the sampler itself broke: this batch fails, not the worker
+            tokens = [exc] * len(seqs)
+        for s, token in zip(seqs, tokens, strict=True):
+            if isinstance(token, Exception):
+                s.finish(FinishReason.ERROR, _sampling_error(s, token))
+            else:
+                s.generated.append(token)
+                out.deltas.append(self._emit(s, token))
+            if s.finished:
+                self._release(s)
+                out.finished.append(s)
         return out
 
-    def _recompress(self, seq: DecodeSequence, step_mass: torch.Tensor) -> None:
+    def _emit(self, seq: Sequence, token: int) -> Delta:
+        """``token`` (already the last of ``seq.generated``) as ids and text, through the stop rules."""
+        try:
+            if token in seq.eos_token_ids:
+                delta = Delta(seq, [])
+            else:
+                delta = Delta(seq, [token], seq.detok.add(token) if seq.detok is not None else "")
+            reason = seq.stop_reason(token)
+            if reason is not None:
+                if seq.detok is not None:
+                    delta.text += seq.detok.flush()
+                seq.finish(reason)
+            return delta
+        except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this sequence alone fails
+            log.exception("request %s: streaming token %d failed", seq.request_id, token)
+            seq.finish(FinishReason.ERROR, VlkvError(f"decoding failed: {exc!r}", grpc.StatusCode.INTERNAL))
+            return Delta(seq, [])
+
+    def _recompress(self, seq: Sequence, step_mass: torch.Tensor) -> None:
         """Add this step's attention mass ``[L, T]`` to ``seq``'s, then cut back every layer past its budget."""
         width = step_mass.shape[1]
         if seq.attn_mass is None or seq.attn_mass.shape[1] < width:
@@ -231,17 +270,17 @@ class DecodeCore:
             self.evicted_tokens += n - target
 
     def step(self) -> StepResult:
-        """schedule -> forward -> postprocess. Empty while ``has_work`` only when a preempted sequence waits
-        for blocks held outside the core (caches allocated but not yet added)."""
+        """schedule -> forward -> postprocess. Nothing to step while ``has_work`` only when a preempted
+        sequence waits for blocks held outside the core (caches admitted but not yet added)."""
         plan = self.schedule()
-        result = StepResult(failed=plan.failed)
+        result = StepResult()
         if plan.running:
             result = self.postprocess(plan.running, self.forward(plan.running))
-            result.failed = plan.failed
+        result.finished[:0] = plan.failed
         return result
 
 
-def _sampling_error(seq: DecodeSequence, exc: Exception) -> VlkvError:
+def _sampling_error(seq: Sequence, exc: Exception) -> VlkvError:
     """Why ``seq`` got no token, as the status its request ends with (INTERNAL unless the error says)."""
     step = len(seq.generated)
     if isinstance(exc, VlkvError):

@@ -18,11 +18,8 @@ of ``write``/``read`` are then ``(k, v, k_scale [H_kv, D], v_scale [H_kv, n])``.
 from __future__ import annotations
 
 import torch
+from vlkv.common.block_math import ceil_div
 from vlkv.common.handoff.quantize import SCALE_DTYPE, check_kv_dtype
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def block_bytes_of(
@@ -112,7 +109,7 @@ class KVCache:
         if len(scales) != (2 if self.quantized else 0):
             raise ValueError(f"a {self.kv_dtype} pool takes {'K/V and their scales' if scales else 'K/V'}")
         n = k.shape[1]
-        nb = _ceil_div(n, self.block_size)
+        nb = ceil_div(n, self.block_size)
         if nb > len(table):
             raise ValueError(f"{n} tokens need {nb} blocks, the table has {len(table)}")
         ids = torch.tensor(table[:nb], dtype=torch.long, device=self.k.device)
@@ -127,7 +124,7 @@ class KVCache:
         """An int8 layer's scales: ``k_scale`` ``[H_kv, D]`` into every block of ``table``, ``v_scale``
         ``[H_kv, n]`` into the slots of its n tokens."""
         n = v_scale.shape[1]
-        nb = _ceil_div(n, self.block_size)
+        nb = ceil_div(n, self.block_size)
         device = self.k.device
         self.k_scale[torch.tensor(table, dtype=torch.long, device=device)] = k_scale.to(device, SCALE_DTYPE)
         x = torch.nn.functional.pad(v_scale.to(device, SCALE_DTYPE), (0, nb * self.block_size - n), value=1.0)
@@ -137,7 +134,7 @@ class KVCache:
     def read(self, table: list[int], n: int) -> tuple[torch.Tensor, ...]:
         """Gather the first n tokens of a layer back as ``[H_kv, n, D]`` (a copy); an int8 pool also
         returns the layer's ``k_scale`` ``[H_kv, D]`` and ``v_scale`` ``[H_kv, n]`` (what ``write`` takes)."""
-        nb = _ceil_div(n, self.block_size)
+        nb = ceil_div(n, self.block_size)
         ids = torch.tensor(table[:nb], dtype=torch.long, device=self.k.device)
         out = []
         for src in (self.k, self.v):

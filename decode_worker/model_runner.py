@@ -3,7 +3,7 @@
 Each sequence feeds one token at its own position (continuing from its original prompt length m, not from
 its compact cache length), and every layer attends to that sequence's blocks through the paged decode
 attention kernel. The model's own modules run the step; only the attention function is vlkv's
-(``common/attention.py``).
+(``common/model/attention.py``).
 """
 
 from __future__ import annotations

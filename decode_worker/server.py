@@ -1,19 +1,20 @@
 """The decode worker's gRPC service.
 
-A request's compact cache arrives through ``TransferKV`` or ``TransferKVNixl`` (from its prefill worker;
-``transfers.TransferReceiver``) and its tokens leave through ``Decode`` (to the gateway); the two meet on the
-request id in either order (``rendezvous.Rendezvous``). Pool blocks are reserved when the header arrives
-(after the fingerprint and layout checks), released on any transfer failure, and a cache that no ``Decode``
-call claims within its lease is freed; one whose ``Decode`` call already ended is freed at once.
+A request's compact cache arrives through ``TransferKV`` (``grpc_receiver.GrpcKVReceiver``) or
+``TransferKVNixl`` (``nixl_receiver.NixlKVReceiver``), both through one ``admission.Admission`` (admit ->
+write -> arrive), and its tokens leave through ``Decode`` (to the gateway); the two meet on the request id
+in either order (``rendezvous.Rendezvous``). Pool blocks are reserved when the header is admitted,
+released on any transfer failure, and a cache that no ``Decode`` call claims within its lease is freed;
+one whose ``Decode`` call already ended is freed at once.
 
-Everything a header carries is checked against this model before a block is taken (sampling settings, a
-first token and EOS ids inside the vocabulary), and a cache holding NaN or inf is refused once it is whole:
-INVALID_ARGUMENT, so one bad sequence never reaches the batch it would break. Should the decode loop die,
+Everything a header carries is checked against this model before a block is taken (``Admission.admit``),
+and a cache holding NaN or inf is refused as it arrives: INVALID_ARGUMENT, so one bad sequence never
+reaches the batch it would break. Should the decode loop die,
 the worker fails its sequences with UNAVAILABLE, turns NOT_SERVING and exits (``exit_process``) to be
 replaced.
 
 ``TransferKV`` takes its messages as raw bytes (register the servicer with ``add_decode_servicer``, not
-the generated ``add_DecodeWorkerServicer_to_server``): ``KVAssembler.feed_wire`` reads data chunks
+the generated ``add_DecodeWorkerServicer_to_server``): ``KVStreamReader.feed_wire`` reads data chunks
 zero-copy. The bytes are serialized ``KVChunk`` messages, so any sender works: the prefill worker's
 pre-encoded stream and the generated stub's ``TransferKV`` alike.
 """
@@ -29,22 +30,19 @@ from typing import TYPE_CHECKING
 import grpc
 from vlkv.common import logs
 from vlkv.common.config import DecodeConfig
-from vlkv.common.errors import InvalidInput, VlkvError
+from vlkv.common.errors import VlkvError
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
-from vlkv.common.handoff.wire import KVWireError, header_prompt_scores
 from vlkv.common.load_stream import LoadStream
 from vlkv.common.model.spec import ModelSpec
-from vlkv.common.request import sampling_from_proto
-from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager
+from vlkv.decode_worker.admission import Admission
 from vlkv.decode_worker.core import DecodeCore
-from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
-from vlkv.decode_worker.engine import DecodeEngine, Sequence
-from vlkv.decode_worker.kv_cache import KVCache
-from vlkv.decode_worker.model_runner import ModelRunner
+from vlkv.decode_worker.engine import DecodeEngine
+from vlkv.decode_worker.grpc_receiver import GrpcKVReceiver
+from vlkv.decode_worker.nixl_receiver import NixlKVReceiver
 from vlkv.decode_worker.rendezvous import Rendezvous
-from vlkv.decode_worker.transfers import TransferReceiver
-from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+from vlkv.decode_worker.sequence import FINISH_REASON_PROTO, Sequence
+from vlkv.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from grpc_health.v1._async import HealthServicer
@@ -71,30 +69,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.exit_process = exit_process
         self.health: HealthServicer | None = None
         self.spec = spec
-        self.tokenizer = tokenizer
-        self.decode_text = text_decoder(tokenizer)
         self.layout = spec.kv_layout
         self.fingerprint = spec.fingerprint
-        _, kv_heads, head_dim, dtype = self.layout
-        self.kv_cache = KVCache.from_bytes(
-            cfg.pool.pool_bytes,
-            cfg.pool.block_size,
-            kv_heads,
-            head_dim,
-            dtype,
-            cfg.device,
-            cfg.transfer.kv_dtype,
-        )
-        num_blocks = self.kv_cache.num_blocks
-        policy = AdmissionPolicy.from_config(cfg.pool.admission, cfg.pool.watermark, num_blocks)
-        self.pool = BlockManager(num_blocks, cfg.pool.block_size, policy)  # block accounting, admission
-        swap = cfg.pool.swap_bytes or cfg.pool.pool_bytes
-        runner = ModelRunner(model, self.kv_cache)
-        core = DecodeCore(
-            runner, self.pool, self.kv_cache, cfg.pool.max_batch, swap,
-            decode_budget=cfg.pool.decode_budget, decode_window=cfg.pool.decode_window,
-            prompt_weight=cfg.pool.prompt_weight,
-        )  # fmt: skip
+        core = DecodeCore.from_config(model, spec, cfg.pool, cfg.transfer.kv_dtype, cfg.device)
+        self.kv_cache = core.cache
+        self.pool = core.blocks  # block accounting, admission
         self.engine = DecodeEngine(core, on_death=self._engine_died)
         self.address = ""
         self.draining = False
@@ -105,17 +84,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             unclaimed_lease_s=t.unclaimed_lease_s,
             max_unclaimed_per_sender=t.max_unclaimed_per_sender,
         )
-        self.receiver = TransferReceiver(
-            spec,
-            cfg,
-            self.pool,
-            self.kv_cache,
-            self.rendezvous,
-            self._check_header,
-            self._make_sequence,
-            lambda: self.engine.num_swapped,
-            nixl,
+        self.receiver = Admission(  # the receiving side both transports share (admit -> write -> arrive)
+            core, spec, self.rendezvous, limits=cfg.limits, transfer=t, tokenizer=tokenizer
         )
+        self.grpc_receiver = GrpcKVReceiver(self.receiver)
+        self.nixl_receiver = NixlKVReceiver(self.receiver, nixl)
         self._exiting: asyncio.Task | None = None  # NOT_SERVING, then exit, once the decode loop died
         self.load_stream = LoadStream()  # WatchLoad: the load pushed to the gateways
 
@@ -136,6 +109,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         and the autoscaler replace this worker (a live server with a dead loop would hang every call)."""
         log.critical("decode worker %s: the decode loop died (%r); NOT_SERVING, exiting", self.address, exc)
         self.draining = True
+        self.receiver.closed = VlkvError("this decode worker is shutting down", grpc.StatusCode.UNAVAILABLE)
         self.rendezvous.expire_all()
         self.rendezvous.fail_waiters(self.engine.dead_error())
         self._exiting = asyncio.get_running_loop().create_task(self._exit_after_death())
@@ -149,62 +123,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.exit_process(ENGINE_DIED_EXIT_CODE)
 
     # -- hand-off ------------------------------------------------------------------------------------
-    def _check_header(self, header: kv_pb2.KVHeader):
-        """What a header carries beyond the layout, checked against this model before any block is taken:
-        the sampling settings (returned, parsed once), the first token and the EOS ids (in the vocabulary)."""
-        if self.engine.dead is not None:
-            raise KVWireError(grpc.StatusCode.UNAVAILABLE, "this decode worker is shutting down")
-        try:
-            sampling = sampling_from_proto(header.sampling, self.cfg.limits)
-        except InvalidInput as exc:
-            raise KVWireError(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV header: {exc.message}") from None
-        vocab = self.spec.vocab_size
-        if vocab and header.first_token_id >= vocab:
-            raise KVWireError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"bad KV header: first_token_id {header.first_token_id} is outside the vocabulary of {vocab}",
-            )
-        if vocab and any(t >= vocab for t in header.eos_token_ids):
-            raise KVWireError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"bad KV header: an eos_token_id is outside the vocabulary of {vocab}",
-            )
-        return sampling
-
     async def TransferKV(self, request_iterator, context):
-        return await self.receiver.grpc(request_iterator, context)
+        return await self.grpc_receiver.receive(request_iterator, context)
 
     async def TransferKVNixl(self, request_iterator, context):
-        async for reply in self.receiver.nixl_stream(request_iterator, context):
+        async for reply in self.nixl_receiver.receive(request_iterator, context):
             yield reply
-
-    def _make_sequence(self, header: kv_pb2.KVHeader, sampling, blocks) -> Sequence:
-        lengths = list(header.layer_lengths)
-        m = header.prompt_length
-        token_bytes = self.kv_cache.token_bytes  # in the pool's kv dtype, scales included
-        _, kv_heads, head_dim, dtype = self.layout
-        usage = generate_pb2.Usage(
-            prompt_tokens=header.prompt_tokens,
-            vision_tokens=header.vision_tokens,
-            kv_bytes_kept=sum(lengths) * token_bytes,
-            kv_bytes_full=len(lengths) * m * 2 * kv_heads * head_dim * self.kv_cache.dtype.itemsize,
-            compression_ratio=sum(lengths) / (len(lengths) * m),
-            layer_budgets=lengths,
-            policy=header.policy,
-        )
-        seq = Sequence(
-            request_id=header.request_id,
-            blocks=blocks,
-            lengths=lengths,
-            prompt_length=m,
-            first_token=header.first_token_id,
-            sampling=sampling,
-            eos_token_ids=set(header.eos_token_ids),
-            usage=usage,
-            detok=IncrementalText(self.tokenizer, sampling.stop, self.decode_text),
-        )
-        self.engine.core.seed(seq, header_prompt_scores(header))  # validated with the header
-        return seq
 
     # -- token stream --------------------------------------------------------------------------------
     @abort_stream_on_error
@@ -224,24 +148,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.rendezvous.abandon(request.request_id)
             raise
         try:
-            self.engine.submit(seq)
-            while True:
-                kind, *rest = await seq.events.get()
-                if kind == "token":
-                    ids, text = rest
-                    yield generate_pb2.GenerateResponse(
-                        request_id=seq.request_id, token=generate_pb2.TokenChunk(token_ids=ids, text=text)
-                    )
-                elif kind == "finished":
-                    yield generate_pb2.GenerateResponse(
-                        request_id=seq.request_id,
-                        finished=generate_pb2.Finished(reason=rest[0], usage=seq.usage),
-                    )
-                    return
-                else:
-                    raise rest[0]
+            out = self.engine.submit(seq)
+            while (delta := await out.get()) is not None:
+                chunk = generate_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)
+                yield generate_pb2.GenerateResponse(request_id=seq.request_id, token=chunk)
+            if seq.error is not None:
+                raise seq.error
+            finished = generate_pb2.Finished(reason=FINISH_REASON_PROTO[seq.finish_reason], usage=seq.usage)
+            yield generate_pb2.GenerateResponse(request_id=seq.request_id, finished=finished)
         finally:
-            if not seq.done:
+            if not seq.finished:
                 self.engine.cancel(seq)
 
     async def GetLoad(self, request, context):
@@ -286,7 +202,7 @@ class _CaptureHandlers:
 
 def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
     """Register the DecodeWorker service as the generated code does, except that ``TransferKV`` gets
-    its requests undeserialized (bytes) for the zero-copy ``KVAssembler.feed_wire`` path."""
+    its requests undeserialized (bytes) for the zero-copy ``KVStreamReader.feed_wire`` path."""
     capture = _CaptureHandlers()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, capture)
     handlers = capture.handlers

@@ -2,9 +2,10 @@
 
 The same pipeline as the servers, driven synchronously: ``prepare_request`` (the gateway's prompt
 rendering, image decoding, processor run and validation), ``PrefillEngine.run`` (forward with statistics,
-first token, compression into a ``CompactKV``), admission into a paged pool and ``KVCache.write`` (what
-the decode worker's ``TransferKV`` does), then ``DecodeCore`` steps until every sequence ends on EOS,
-``max_new_tokens`` or a stop string (the decode server's rules, its detokenizer), and its blocks are freed.
+first token, compression into a ``CompactKV``), the decode worker's own ``Admission`` (the header checks,
+the blocks, the sequence: admit -> write -> arrive, as its ``TransferKV`` does, over this process's pool),
+then ``DecodeCore`` steps until every sequence ends on EOS, ``max_new_tokens`` or a stop string (the
+core's stop rules, the decode server's detokenizer), and its blocks are freed.
 The evaluation, the benchmarks and the equality tests use it instead of copies of the pipeline.
 
 Lifecycle: build one ``InProcessEngine`` per model (the pool is allocated once); call ``generate``,
@@ -13,19 +14,21 @@ Lifecycle: build one ``InProcessEngine`` per model (the pool is allocated once);
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
-from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, Limits
-from vlkv.common.errors import ResourceExhausted
+from vlkv.common.config import Limits, PoolConfig
+from vlkv.common.errors import ResourceExhausted, VlkvError
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.quantize import quantize_compact
-from vlkv.common.handoff.wire import compact_layers
+from vlkv.common.handoff.wire import KVWireError, compact_header
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import (
     PreparedRequest,
@@ -34,13 +37,11 @@ from vlkv.common.request import (
     sampling_to_proto,
 )
 from vlkv.common.sampling import SamplingConfig
-from vlkv.decode_worker.block_manager import AdmissionPolicy, AdmissionRefusal, BlockManager, RefusalKind
-from vlkv.decode_worker.core import DecodeCore, DecodeSequence
-from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
-from vlkv.decode_worker.kv_cache import KVCache
-from vlkv.decode_worker.model_runner import ModelRunner
+from vlkv.decode_worker.admission import Admission, LocalArrivals
+from vlkv.decode_worker.core import DecodeCore, Delta
+from vlkv.decode_worker.sequence import Sequence
 from vlkv.prefill_worker.engine import PrefillEngine
-from vlkv.v1 import generate_pb2
+from vlkv.v1 import generate_pb2, worker_pb2
 
 
 @dataclass
@@ -69,56 +70,39 @@ class _Run:
     cache: CompactKV
     sampling: SamplingConfig
     eos: frozenset[int]
-    detok: IncrementalText | None
-    seq: DecodeSequence | None = None
+    header: dict = field(default_factory=dict)  # more KVHeader fields (prompt_tokens, policy)
+    seq: Sequence | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    reason: str = ""
 
-    def emit(self, token: int) -> bool:
-        """The decode server's rules for ``token`` (already the last of ``seq.generated``); True: done."""
-        if token in self.eos:
-            self.reason = "eos"
-        else:
-            self.token_ids.append(token)
-            if self.detok is not None:
-                self.text += self.detok.add(token)
-            if self.detok is not None and self.detok.stopped:
-                self.reason = "stop"
-            elif len(self.seq.generated) >= self.sampling.max_new_tokens:
-                self.reason = "length"
-        if self.reason and self.detok is not None:
-            self.text += self.detok.flush()
-        return bool(self.reason)
+    def take(self, delta: Delta) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+
+    @property
+    def reason(self) -> str:
+        return self.seq.finish_reason.value if self.seq is not None and self.seq.finished else ""
 
 
 class InProcessEngine:
     """A prefill engine and a decode core sharing one model; ``processor`` is needed by ``generate`` only.
 
-    pool_bytes, block_size, max_batch, admission ("grow" | "reserve"), watermark and swap_bytes (0: as
-    much as ``pool_bytes``), decode_budget, decode_window and prompt_weight mean what they mean in
-    ``PoolConfig``;
-    kv_dtype ("fp16" | "int8" | "fp8") what it means in ``TransferConfig`` (caches are quantized where the prefill
-    worker would, before admission); device: of the pool (the model's).
+    ``pool``: the decode worker's ``PoolConfig`` (its fields may also be given as keywords, which replace
+    the given or default config's); kv_dtype ("fp16" | "int8" | "fp8") what it means in ``TransferConfig``
+    (caches are quantized where the prefill worker would, before admission); device: of the pool (the
+    model's).
     """
 
     def __init__(
         self,
         model,
         processor=None,
+        pool: PoolConfig | None = None,
         *,
-        pool_bytes: int = 256 << 20,
-        block_size: int = 16,
-        max_batch: int = 64,
-        admission: str = "grow",
-        watermark: float = 0.01,
-        swap_bytes: int = 0,
         device: str | torch.device | None = None,
         limits: Limits | None = None,
         kv_dtype: str = "fp16",
-        decode_budget: float = 0.0,
-        decode_window: int = 32,
-        prompt_weight: float = DEFAULT_PROMPT_WEIGHT,
+        **pool_fields,
     ) -> None:
         self.model = model
         self.processor = processor
@@ -128,23 +112,13 @@ class InProcessEngine:
         self.prefill = PrefillEngine(model, self.spec)
         device = device if device is not None else next(model.parameters()).device
         self.kv_dtype = kv_dtype
-        self.cache = KVCache.from_bytes(
-            pool_bytes,
-            block_size,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-            self.spec.dtype,
-            device,
-            kv_dtype,
+        self.pool = dataclasses.replace(pool or PoolConfig(), **pool_fields)
+        self.core = DecodeCore.from_config(model, self.spec, self.pool, kv_dtype, device)
+        self.cache, self.blocks = self.core.cache, self.core.blocks
+        self.arrivals = LocalArrivals()
+        self.admission = Admission(
+            self.core, self.spec, self.arrivals, limits=self.limits, tokenizer=self.tokenizer
         )
-        n = self.cache.num_blocks
-        self.blocks = BlockManager(n, block_size, AdmissionPolicy.from_config(admission, watermark, n))
-        runner = ModelRunner(model, self.cache)
-        self.core = DecodeCore(
-            runner, self.blocks, self.cache, max_batch, swap_bytes or pool_bytes,
-            decode_budget=decode_budget, decode_window=decode_window, prompt_weight=prompt_weight,
-        )  # fmt: skip
-        self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
 
     # -- the request path ----------------------------------------------------------------------------
     def prepare(
@@ -197,10 +171,19 @@ class InProcessEngine:
         if self.tokenizer is None:
             raise ValueError("generate needs the engine's processor (its tokenizer detokenizes)")
         results = [self.prefill.run(req) for req in requests]
-        tok, dec = self.tokenizer, self._decode_text
         eos = frozenset(self.spec.eos_token_ids)
         runs = [
-            _Run(req.request_id, res.cache, req.sampling, eos, IncrementalText(tok, req.sampling.stop, dec))
+            _Run(
+                req.request_id,
+                res.cache,
+                req.sampling,
+                eos,
+                dict(
+                    prompt_tokens=res.modality.m,
+                    vision_tokens=res.modality.num_vision_tokens,
+                    policy=res.policy,
+                ),
+            )
             for req, res in zip(requests, results, strict=True)
         ]
         self._decode(runs)
@@ -228,54 +211,53 @@ class InProcessEngine:
         """Decode already compressed caches together (no stop strings); per cache its ``generated``: the
         prefill's token, then one per step, ending with an EOS or at ``sampling.max_new_tokens``."""
         eos = frozenset(int(i) for i in eos_ids)
-        runs = [_Run(f"cache-{i}", c, sampling, eos, None) for i, c in enumerate(caches)]
+        runs = [_Run(f"cache-{i}", c, sampling, eos) for i, c in enumerate(caches)]
         self._decode(runs)
         return [list(run.seq.generated) for run in runs]
 
     # -- decode --------------------------------------------------------------------------------------
     def _admit(self, run: _Run) -> bool:
-        """Blocks for ``run``'s cache, written as ``TransferKV`` writes them; False: no room yet."""
-        lengths = run.cache.layer_lengths
-        swapped = len(self.core.scheduler.swapped)
-        got = self.blocks.admit(lengths, max(1, run.sampling.max_new_tokens), swapped)
-        if isinstance(got, AdmissionRefusal):
-            if got.kind is RefusalKind.NEVER_FITS or not self.core.has_work:
-                raise ResourceExhausted(got.message)
-            return False
+        """``run``'s cache through the decode worker's admission (admit -> write -> arrive) and into the
+        core; False: no room yet (sequences in the core will free some)."""
         run.cache = quantize_compact(run.cache, self.kv_dtype)  # the prefill worker's step (--kv-dtype)
-        for table, tensors in zip(got.tables, compact_layers(run.cache), strict=True):
-            self.cache.write(table, *tensors)
-        c = run.cache
-        run.seq = DecodeSequence(
-            run.request_id, got, list(lengths), c.prompt_length, c.first_token, run.sampling
-        )
-        self.core.seed(run.seq, c.prompt_scores)
-        if run.emit(c.first_token):  # the prefill's token ended it: never decoded
-            self.blocks.free(got)
-        else:
-            self.core.add(run.seq)
+        header = compact_header(
+            run.cache,
+            request_id=run.request_id,
+            fingerprint=self.spec.fingerprint,
+            sampling=sampling_to_proto(run.sampling),
+            eos_token_ids=run.eos,
+            **run.header,
+        ).header
+        try:
+            seq = self.admission.admit(header)
+        except KVWireError as exc:
+            if exc.reason == worker_pb2.REFUSAL_POOL_FULL and self.core.has_work:
+                return False
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ResourceExhausted(exc.message) from None
+            raise VlkvError(exc.message, exc.code) from None
+        self.admission.write_cache(seq, run.cache)
+        self.admission.arrive(seq, "local")
+        run.seq = self.arrivals.arrived.popleft()
+        run.take(self.core.add(run.seq))
         return True
 
     def _decode(self, runs: list[_Run]) -> None:
         pending = deque(runs)
-        by_seq: dict[int, _Run] = {}
+        by_seq: dict[Sequence, _Run] = {}
         try:
             while pending or self.core.has_work:
                 while pending and self._admit(pending[0]):
                     run = pending.popleft()
-                    by_seq[id(run.seq)] = run
+                    by_seq[run.seq] = run
                 out = self.core.step()
-                if out.failed:
-                    raise ResourceExhausted("the in-process pool ran out of KV memory and swap space")
-                if out.errors:  # a sequence whose token could not be sampled has left the core
-                    raise out.errors[0][1]
-                for seq, token in out.tokens:
-                    if by_seq[id(seq)].emit(token):
-                        self.core.release(seq)
+                for delta in out.deltas:
+                    by_seq[delta.seq].take(delta)
+                for seq in out.finished:
+                    if seq.error is not None:  # out of KV memory and swap, or a token not sampled
+                        raise seq.error
         except BaseException:
-            s = self.core.scheduler
-            for seq in [*s.running, *s.waiting, *s.swapped]:
-                self.core.release(seq)
+            self.core.abort_all(VlkvError("the in-process decode was interrupted"))
             raise
 
 

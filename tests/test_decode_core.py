@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import BlockManager
-from vlkv.decode_worker.core import DecodeCore, DecodeSequence
+from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import StepInput
+from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus
 
 VOCAB = 97
 MAX_NEW = 12
@@ -46,16 +47,19 @@ def _decode(num_blocks: int, n_seqs: int = 4) -> tuple[dict[str, list[int]], Dec
             cache.write(
                 table, torch.randint(0, 9, (2, n, 3), generator=g).float(), torch.randn(2, n, 3, generator=g)
             )
-        seq = DecodeSequence(f"r{i}", seq_blocks, lengths, 20 + i, i, SamplingConfig(max_new_tokens=MAX_NEW))
-        core.add(seq)
+        seq = Sequence(f"r{i}", seq_blocks, lengths, 20 + i, i, SamplingConfig(max_new_tokens=MAX_NEW))
+        assert core.add(seq).token_ids == [i] and seq.status is SequenceStatus.WAITING
         seqs.append(seq)
+    finished = []
     while core.has_work:
         result = core.step()
-        assert not result.failed
-        for seq, token in result.tokens:
-            assert seq.generated[-1] == token
-            if len(seq.generated) >= MAX_NEW:
-                core.release(seq)
+        for delta in result.deltas:
+            assert delta.seq.generated[-1] == delta.token_ids[0]
+        finished += result.finished
+    assert sorted(s.request_id for s in finished) == [s.request_id for s in seqs]
+    assert all(
+        s.status is SequenceStatus.FINISHED_LENGTH and s.finish_reason is FinishReason.LENGTH for s in seqs
+    )
     assert blocks.num_free == num_blocks and core.scheduler.swap_used == 0
     return {s.request_id: s.generated for s in seqs}, core
 
@@ -71,4 +75,30 @@ def test_preempted_sequences_continue_bit_for_bit():
 def test_step_without_work_is_empty():
     blocks, cache = BlockManager(4, 4), KVCache(4, 4, 1, 2)
     core = DecodeCore(FakeRunner(cache), blocks, cache, max_batch=2)
-    assert not core.has_work and core.step().tokens == [] and core.step().failed == []
+    assert not core.has_work and core.step().deltas == [] and core.step().finished == []
+
+
+def _one(core: DecodeCore, blocks: BlockManager, cache: KVCache, **kw) -> Sequence:
+    seq_blocks = blocks.allocate([5, 5], 0)
+    for table in seq_blocks.tables:
+        cache.write(table, torch.ones(2, 5, 3), torch.ones(2, 5, 3))
+    return Sequence("r", seq_blocks, [5, 5], 20, 1, SamplingConfig(max_new_tokens=MAX_NEW), **kw)
+
+
+def test_the_core_applies_the_stop_rules_and_frees_the_blocks():
+    blocks, cache = BlockManager(64, 4), KVCache(64, 4, num_kv_heads=2, head_dim=3)
+    core = DecodeCore(FakeRunner(cache), blocks, cache, max_batch=8)
+    first = _one(core, blocks, cache, eos_token_ids=frozenset({1}))  # the prefill's token is an EOS
+    assert core.add(first).token_ids == [] and first.status is SequenceStatus.FINISHED_EOS
+    assert blocks.num_free == 64 and not core.has_work
+    seq = _one(core, blocks, cache)
+    core.add(seq)
+    core.step()
+    eos = seq.generated[-1]  # the fake runner is deterministic: the same cache gives the same token
+    core.end(seq, FinishReason.CANCELLED)
+    assert seq.status is SequenceStatus.FINISHED_CANCELLED and blocks.num_free == 64 and not core.has_work
+    seq = _one(core, blocks, cache, eos_token_ids=frozenset({eos}))
+    core.add(seq)
+    out = core.step()
+    assert out.finished == [seq] and seq.finish_reason is FinishReason.EOS and out.deltas[0].token_ids == []
+    assert seq.usage.generated_tokens == 2 and blocks.num_free == 64

@@ -25,8 +25,9 @@ from vlkv.common.handoff.wire import encode_compact_kv
 from vlkv.common.sampling import NonFiniteLogits, SamplingConfig, make_generator, sample_token
 from vlkv.decode_worker import core as core_module
 from vlkv.decode_worker.block_manager import BlockManager
-from vlkv.decode_worker.core import DecodeCore, DecodeSequence
+from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.kv_cache import KVCache
+from vlkv.decode_worker.sequence import Sequence
 from vlkv.decode_worker.server import ENGINE_DIED_EXIT_CODE
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.tools.client import build_request, generate
@@ -293,7 +294,7 @@ def _core_with(n: int, temperature: float = 1.0):
         for table, k in zip(seq_blocks.tables, lengths, strict=True):
             cache.write(table, torch.ones(2, k, 3), torch.ones(2, k, 3))
         cfg = SamplingConfig(max_new_tokens=6, temperature=temperature, seed=i)
-        seq = DecodeSequence(f"r{i}", seq_blocks, lengths, 10 + i, i, cfg)
+        seq = Sequence(f"r{i}", seq_blocks, lengths, 10 + i, i, cfg)
         core.add(seq)
         seqs.append(seq)
     return core, blocks, seqs
@@ -302,13 +303,9 @@ def _core_with(n: int, temperature: float = 1.0):
 def _run_core(core, blocks):
     errors = {}
     while core.has_work:
-        out = core.step()
-        assert not out.failed
-        for seq, err in out.errors:
-            errors[seq.request_id] = err
-        for seq, _ in out.tokens:
-            if len(seq.generated) >= seq.sampling.max_new_tokens:
-                core.release(seq)
+        for seq in core.step().finished:
+            if seq.error is not None:
+                errors[seq.request_id] = seq.error
     assert blocks.num_free == blocks.num_blocks
     return errors
 
@@ -329,14 +326,15 @@ def test_a_fault_in_one_sequence_fails_only_it(monkeypatch, fault):
 
         monkeypatch.setattr(core.runner, "step", nan_for_victim)
     else:
-        real = core_module.sample_token
+        real = core_module.sample_tokens
 
-        def raising(logits, cfg, generator):
-            if cfg is victim.sampling:
-                raise RuntimeError("boom")
-            return real(logits, cfg, generator)
+        def raising(logits, cfgs, generators):  # one row's sampling raised: that row gets the error
+            tokens = real(logits, cfgs, generators)
+            return [
+                RuntimeError("boom") if c is victim.sampling else t for c, t in zip(cfgs, tokens, strict=True)
+            ]
 
-        monkeypatch.setattr(core_module, "sample_token", raising)
+        monkeypatch.setattr(core_module, "sample_tokens", raising)
     errors = _run_core(core, blocks)
     assert list(errors) == ["r1"]
     want, code = (

@@ -17,9 +17,10 @@ from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import BlockManager
 from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.detokenizer import IncrementalText
-from vlkv.decode_worker.engine import DecodeEngine, Sequence
+from vlkv.decode_worker.engine import DecodeEngine
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner
+from vlkv.decode_worker.sequence import Sequence
 from vlkv.tools.client import build_request, generate
 from vlkv.v1 import generate_pb2, worker_pb2
 
@@ -105,18 +106,15 @@ def _engine_run(model, tokenizer, pool_blocks: int, swap_bytes: int, n_seqs: int
             for table in blocks.tables:
                 cache.write(table, torch.randn(2, 27, 16, generator=g), torch.randn(2, 27, 16, generator=g))
             seq = Sequence(
-                f"r{i}", blocks, [27, 27], 27, 3 + i, SamplingConfig(max_new_tokens=MAX_NEW), set(),
-                generate_pb2.Usage(), IncrementalText(tokenizer, []),
+                f"r{i}", blocks, [27, 27], 27, 3 + i, SamplingConfig(max_new_tokens=MAX_NEW),
+                detok=IncrementalText(tokenizer, []),
             )  # fmt: skip
-            engine.submit(seq)
-            seqs.append(seq)
+            seqs.append((seq, engine.submit(seq)))
         out = {}
-        for seq in seqs:
-            while True:
-                kind, *rest = await seq.events.get()
-                if kind != "token":
-                    out[seq.request_id] = seq.generated if kind == "finished" else rest[0].code
-                    break
+        for seq, outputs in seqs:
+            while await outputs.get() is not None:
+                pass
+            out[seq.request_id] = seq.generated if seq.error is None else seq.error.code
         await engine.stop()
         return out
 

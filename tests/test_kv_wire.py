@@ -12,7 +12,7 @@ import torch
 from google_crc32c import python as crc32c_python
 from vlkv.common.handoff import codec as kv_wire_codec
 from vlkv.common.handoff.codec import CRC32C_IMPLEMENTATION, crc32c, parse_data_wire
-from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options, kv_receiver_handler
+from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options
 from vlkv.common.handoff.wire import (
     KVWireError,
     encode_header,
@@ -377,11 +377,21 @@ def test_model_fingerprint():
 
 
 # --- real gRPC on localhost ---------------------------------------------------------------------
-async def _grpc_transfer(ckv, chunks_or_layers, pool: FakePool, received: list, timeout_s=10.0):
-    server = grpc.aio.server(options=grpc_message_options(1 << 16))
-    server.add_generic_rpc_handlers(
-        [kv_receiver_handler(lambda: pool.assembler(ckv), lambda h, c, handle: received.append((c, handle)))]
+async def _grpc_transfer(ckv, chunks_or_layers, received: list, timeout_s=10.0):
+    """Send through ``GrpcKVSender`` to the decode worker's own ``TransferKV`` receiver over an in-memory
+    pool (``kv_receiver``); ``received`` gets each arrived cache read back from the pool. Returns the ack
+    (or raises the sender's KVWireError) and the receiver."""
+    from vlkv.decode_worker.server import add_decode_servicer
+    from vlkv.tools.bench.kv_receiver import ReceiverServicer
+
+    layout = (ckv.num_layers, ckv.num_kv_heads, ckv.head_dim, ckv.dtype)
+    servicer = ReceiverServicer(layout, 8 << 20, False, None)
+    cache = servicer.cache
+    servicer.admission.arrivals.on_arrival = lambda seq: received.append(
+        [cache.read(t, k) for t, k in zip(seq.blocks.tables, seq.lengths, strict=True)]
     )
+    server = grpc.aio.server(options=grpc_message_options(1 << 16))
+    add_decode_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -389,44 +399,77 @@ async def _grpc_transfer(ckv, chunks_or_layers, pool: FakePool, received: list, 
             f"127.0.0.1:{port}", options=grpc_message_options(1 << 16)
         ) as ch:
             sender = GrpcKVSender(ch, chunk_bytes=1 << 16, timeout_s=timeout_s)
-            if isinstance(chunks_or_layers, tuple):
-                return await sender.send(*chunks_or_layers)
-            return await sender.send_chunks(chunks_or_layers)
+            try:
+                if isinstance(chunks_or_layers, tuple):
+                    return await sender.send(*chunks_or_layers), servicer
+                return await sender.send_chunks(chunks_or_layers), servicer
+            except KVWireError as exc:
+                exc.servicer = servicer
+                raise
     finally:
         await server.stop(0.5)
+
+
+def _receiver_fp():
+    from vlkv.tools.bench.kv_receiver import FINGERPRINT
+
+    return FINGERPRINT
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grpc_round_trip(dtype):
     ckv = make_ckv(dtype, [1, 70, 300, 1000], m=1000)  # the last layer spans several 64 KiB chunks
-    pool, received = FakePool(), []
-    header = encode(ckv)[0]
-    ack = asyncio.run(_grpc_transfer(ckv, (header, zip(ckv.keys, ckv.values, strict=True)), pool, received))
+    received = []
+    header = encode(ckv, fingerprint=_receiver_fp())[0]
+    layers = zip(ckv.keys, ckv.values, strict=True)
+    ack, servicer = asyncio.run(_grpc_transfer(ckv, (header, layers), received))
     assert ack.bytes_received == ckv.nbytes
-    (out, handle), = received  # fmt: skip
-    assert all(bits_equal(a, b) for a, b in zip(out.keys + out.values, ckv.keys + ckv.values, strict=True))
-    pool.release(handle)
-    assert pool.free == pool.total
+    (out,) = received
+    assert all(
+        bits_equal(a, b)
+        for (a, b), k, v in zip(out, ckv.keys, ckv.values, strict=True)
+        for a, b in ((a, k), (b, v))
+    )
+    assert servicer.pool.num_free == servicer.pool.num_blocks
+
+
+def test_grpc_chunks_cut_inside_a_row_land_where_they_belong():
+    """A foreign sender whose chunks end mid-row (here every 100 bytes: rows are 16 or 32 bytes)."""
+    ckv = make_ckv(torch.float32, [3, 17], m=20)
+    received = []
+    ack, _ = asyncio.run(_grpc_transfer(ckv, encode(ckv, 100, fingerprint=_receiver_fp()), received))
+    (out,) = received
+    assert all(
+        bits_equal(a, b)
+        for (a, b), k, v in zip(out, ckv.keys, ckv.values, strict=True)
+        for a, b in ((a, k), (b, v))
+    )
 
 
 def test_grpc_errors_reach_the_client_and_free_blocks():
     ckv = make_ckv(torch.float16, [2, 3])
-    pool = FakePool()
-    chunks = encode(ckv, 16)
+    chunks = encode(ckv, 16, fingerprint=_receiver_fp())
     chunks[2].data.crc32c ^= 1
     with pytest.raises(KVWireError) as exc:
-        asyncio.run(_grpc_transfer(ckv, chunks, pool, []))
+        asyncio.run(_grpc_transfer(ckv, chunks, []))
     assert exc.value.code == DL
+    pool = exc.value.servicer.pool
+    assert pool.num_free == pool.num_blocks and exc.value.servicer.admission.active == 0
     with pytest.raises(KVWireError) as exc:
-        asyncio.run(_grpc_transfer(ckv, encode(ckv, fingerprint="other"), pool, []))
+        asyncio.run(_grpc_transfer(ckv, encode(ckv, fingerprint="other"), []))
     assert exc.value.code == FPC
-    assert (pool.allocs, pool.releases, pool.free) == (1, 1, pool.total)
+    nan = make_ckv(torch.float16, [2, 3])
+    nan.values[1][0, 1, 2] = float("nan")
+    with pytest.raises(KVWireError) as exc:
+        asyncio.run(_grpc_transfer(nan, encode(nan, fingerprint=_receiver_fp()), []))
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "layer 1 values" in exc.value.message
+    pool = exc.value.servicer.pool
+    assert pool.num_free == pool.num_blocks
 
 
 def test_grpc_stalled_sender_hits_deadline_and_frees_blocks():
     ckv = make_ckv(torch.float16, [2, 3])
-    pool = FakePool()
-    chunks = encode(ckv)
+    chunks = encode(ckv, fingerprint=_receiver_fp())
 
     async def stall():
         yield chunks[0]
@@ -434,11 +477,12 @@ def test_grpc_stalled_sender_hits_deadline_and_frees_blocks():
 
     async def main():
         with pytest.raises(KVWireError) as exc:
-            await _grpc_transfer(ckv, stall(), pool, [], timeout_s=0.5)
+            await _grpc_transfer(ckv, stall(), [], timeout_s=0.5)
         assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        return exc.value.servicer
 
-    asyncio.run(main())
-    assert (pool.allocs, pool.releases, pool.free) == (1, 1, pool.total)
+    servicer = asyncio.run(main())
+    assert servicer.pool.num_free == servicer.pool.num_blocks and servicer.admission.active == 0
 
 
 def test_grpc_slow_receiver_slows_the_sender():
@@ -478,3 +522,32 @@ def test_grpc_slow_receiver_slows_the_sender():
     asyncio.run(main())
     assert produced[0] == consumed[0] > 300
     assert lead[0] < 150, f"sender ran {lead[0]} chunks ahead of a slow receiver"
+
+
+def test_a_small_cache_travels_as_one_bundle_and_is_checked_the_same():
+    from vlkv.common.handoff.codec import encode_bundle_wire, split_bundle_wire
+
+    ckv = make_ckv(torch.float16, [3, 5], m=9)
+    wire = [c.SerializeToString() for c in encode(ckv, 40, fingerprint=_receiver_fp())]
+    bundle = encode_bundle_wire(wire)
+    assert [bytes(e) for e in split_bundle_wire(bundle)] == wire  # each entry is its chunk's own bytes
+    parsed = kv_pb2.KVChunk.FromString(bundle).bundle
+    assert parsed.header.request_id == "req-1" and len(parsed.data) == len(wire) - 2
+    received = []
+    header = encode(ckv, fingerprint=_receiver_fp())[0]
+    ack, servicer = asyncio.run(_grpc_transfer(ckv, (header, ckv), received))  # a CompactKV: bundled
+    assert ack.bytes_received == ckv.nbytes
+    assert all(
+        bits_equal(a, k) and bits_equal(b, v)
+        for (a, b), k, v in zip(received[0], ckv.keys, ckv.values, strict=True)
+    )
+    bad = bytearray(bundle)
+    bad[-40] ^= 1  # inside the last data chunk's payload
+    with pytest.raises(KVWireError) as exc:
+        asyncio.run(_grpc_transfer(ckv, [bytes(bad)], []))
+    assert exc.value.code == DL
+    pool = exc.value.servicer.pool
+    assert pool.num_free == pool.num_blocks
+    with pytest.raises(KVWireError) as exc:  # a bundle is the whole stream: nothing may follow it
+        asyncio.run(_grpc_transfer(ckv, [bundle, wire[-1]], []))
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT

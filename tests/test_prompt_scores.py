@@ -97,7 +97,7 @@ def test_seed_starts_the_mass_and_decides_which_prompt_tokens_outlast_decoding(t
 
     def add(s):
         seqs.append(s)
-        real_add(s)
+        return real_add(s)
 
     def compact(table, keep):
         layer = next(i for i, t in enumerate(seqs[0].blocks.tables) if t is table)

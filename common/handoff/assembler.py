@@ -1,10 +1,16 @@
-"""Decode side of the compact-KV wire format: validate a header, then fill per-layer buffers from chunks.
+"""Decode side of the compact-KV wire format: validate a header, then hand each checked chunk to a sink.
 
-Lifecycle of one transfer: ``KVAssembler(...)`` -> ``feed(chunk)`` for every message -> ``finish()``
-returns ``(header, CompactKV)``; on any error (or ``abort()``) the pool handle returned by ``allocate`` is
-given back through ``release`` exactly once. ``allocate`` runs only after the header passed every check,
-so a cache for another model never touches the pool. After a successful ``finish()`` the handle
-(``assembler.handle``) belongs to the caller.
+``KVStreamReader`` is the wire's state machine (header, then data chunks in order with their CRC-32C,
+then a trailer whose totals match): ``feed(chunk)`` / ``feed_wire(raw)`` for every message, ``finish()`` at
+the end of the stream, ``abort()`` on any failure. Its ``open(header)`` decides what the header means and
+where the bytes go: it returns a ``KVSink`` (the decode worker's admission checks the header with
+``validate_header`` and returns a sink writing each chunk straight into the sequence's pool blocks,
+``decode_worker/grpc_receiver.py``). On any error (or ``abort()``) the sink's ``release`` runs exactly once.
+
+``KVAssembler`` is the reader with a host sink, for tests and tools that want the decoded cache:
+``KVAssembler(...)`` -> ``feed`` -> ``finish()`` returns ``(header, CompactKV)``; the pool handle returned
+by ``allocate`` (run only after the header passed every check, so a cache for another model never touches
+the pool) is given back through ``release`` on failure, and belongs to the caller after ``finish()``.
 
 Status codes (``KVWireError.code``):
 - INVALID_ARGUMENT: protocol violations - first message not a header, a second header, an empty
@@ -17,8 +23,11 @@ Status codes (``KVWireError.code``):
   whose ``kv_dtype`` (fp16 / int8 / fp8) is not the one this worker's pool stores.
 - CANCELLED: ``abort()`` by the caller (stored so later calls re-raise it).
 
+A small cache may come as one ``bundle`` message holding its header, data chunks and trailer (in that
+order, checked as if streamed); it must be the stream's only message.
+
 Chunks of one tensor must arrive in order (offset == bytes already received); different tensors and
-layers may interleave. Buffers are allocated lazily per tensor, so a header that lies about sizes
+layers may interleave. ``KVAssembler``'s buffers are allocated lazily per tensor, so a header that lies about sizes
 costs no memory until bytes actually arrive. A tensor that arrives whole in one chunk of an immutable
 ``bytes`` message (what gRPC hands over) is not copied at all: its tensor is a ``torch.frombuffer``
 view of that message, so the decoded cache's tensors may share memory with ``bytes`` objects: read
@@ -31,12 +40,13 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 from vlkv.common.errors import Refusal
-from vlkv.common.handoff.codec import crc32c, parse_data_wire
+from vlkv.common.handoff.codec import crc32c, parse_data_wire, split_bundle_wire
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.wire import (
     DTYPES,
@@ -55,6 +65,11 @@ _LOSS = grpc.StatusCode.DATA_LOSS
 _PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class CheckedHeader(NamedTuple):
+    total_bytes: int  # payload bytes (K, V and any scales) the header announces
+    prompt_scores: list[torch.Tensor] | None  # per layer ``[k_l]`` fp16, parsed once here
+
+
 def validate_header(
     header: kv_pb2.KVHeader,
     expected_fingerprint: str,
@@ -65,10 +80,10 @@ def validate_header(
     max_prompt_length: int = 1 << 22,
     max_header_bytes: int = 1 << 16,
     expected_kv_dtype: str = "fp16",
-) -> int:
+) -> CheckedHeader:
     """Check a header for sanity (INVALID_ARGUMENT), then compatibility (FAILED_PRECONDITION).
 
-    Returns the number of payload bytes (K, V and any scales) the header announces.
+    Returns the payload bytes it announces and its prompt-time scores (parsed and checked here only).
     """
 
     def bad(msg: str) -> KVWireError:
@@ -100,7 +115,7 @@ def validate_header(
         raise bad(f"announces {total} KV bytes > limit {max_total_bytes}")
     if scores_bytes > PROMPT_SCORE_DTYPE.itemsize * sum(header.layer_lengths):
         raise bad(f"{scores_bytes} bytes of prompt_scores for {sum(header.layer_lengths)} kept tokens")
-    header_prompt_scores(header)  # their count, sizes and values
+    scores = header_prompt_scores(header)  # their count, sizes and values
 
     if header.model_fingerprint != expected_fingerprint:
         raise KVWireError(
@@ -125,7 +140,7 @@ def validate_header(
             f"(both workers of a deployment need the same --kv-dtype)",
             Refusal.REFUSAL_LAYOUT_MISMATCH,
         )
-    return total
+    return CheckedHeader(total, scores)
 
 
 def all_tensor_bytes(header: kv_pb2.KVHeader) -> list[list[int]]:
@@ -148,50 +163,35 @@ def _byte_view(payload: bytes | memoryview) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=torch.uint8)
 
 
-class KVAssembler:
-    """Incremental, validating decoder of one KV stream (see the module docstring for the rules)."""
+class KVSink(Protocol):
+    """Where a stream's checked payload goes (see the module docstring)."""
 
-    def __init__(
-        self,
-        expected_fingerprint: str,
-        expected_layout: KVLayout,
-        *,
-        max_header_layers: int = 1024,
-        max_total_bytes: int = 1 << 34,
-        max_prompt_length: int = 1 << 22,
-        max_header_bytes: int = 1 << 16,
-        expected_kv_dtype: str = "fp16",
-        allocate: Callable[[kv_pb2.KVHeader], object] | None = None,
-        release: Callable[[object], None] | None = None,
-    ) -> None:
-        """``allocate(header)`` reserves pool blocks (raise KVWireError(RESOURCE_EXHAUSTED) to refuse);
-        whatever it returns is passed to ``release`` if the transfer fails afterwards."""
-        self._fingerprint = expected_fingerprint
-        self._layout = expected_layout
-        self._limits = dict(
-            max_header_layers=max_header_layers,
-            max_total_bytes=max_total_bytes,
-            max_prompt_length=max_prompt_length,
-            max_header_bytes=max_header_bytes,
-            expected_kv_dtype=expected_kv_dtype,
-        )
-        self._allocate = allocate
-        self._release = release
+    def write(self, layer: int, tensor: int, offset: int, payload: bytes | memoryview) -> None:
+        """``payload``: the next bytes of tensor ``tensor`` (wire order: K, V, K scales, V scales) of
+        ``layer``, at byte ``offset`` (every earlier byte of that tensor was written before)."""
+
+    def release(self) -> None:
+        """The transfer failed or was aborted: give back what ``open`` took (called at most once)."""
+
+
+class KVStreamReader:
+    """Incremental, validating reader of one KV stream (see the module docstring for the rules)."""
+
+    def __init__(self, open: Callable[[kv_pb2.KVHeader], KVSink]) -> None:
+        """``open(header)`` checks the header (raise KVWireError to refuse) and returns its sink."""
+        self._open = open
         self._state = "start"  # start -> streaming -> trailer -> done; any -> failed
         self._error: KVWireError | None = None
-        self._allocated = False
-        self.handle: object = None
+        self.sink: KVSink | None = None
         self.header: kv_pb2.KVHeader | None = None
-        self.expected_bytes = 0
         self.bytes_received = 0
         self.chunks_received = 0
-        self._layer_bytes: list[int] = []
+        self._layer_bytes: list[list[int]] = []
         self._filled: list[list[int]] = []
-        self._bufs: list[list[torch.Tensor | None]] = []
 
     # -- public API --------------------------------------------------------------------------------
     def feed(self, chunk: kv_pb2.KVChunk) -> None:
-        """Consume one message; raises KVWireError (and releases the allocation) on a bad one."""
+        """Consume one message; raises KVWireError (and releases the sink) on a bad one."""
         self._check_open()
         try:
             self._feed(chunk)
@@ -208,6 +208,17 @@ class KVAssembler:
             if fields is not None:
                 self._on_data(*fields)
                 return
+            entries = split_bundle_wire(raw) if self._state == "start" else None
+            if entries is not None:  # header, data..., trailer: each the bytes of its own KVChunk
+                if not entries or entries[0][0] != 0x0A:
+                    raise KVWireError(_INVALID, "a bundle starts with its header")
+                for entry in entries:
+                    if self._state == "trailer":
+                        raise KVWireError(_INVALID, "bundle entries after its trailer")
+                    self._feed_entry(entry)
+                if self._state != "trailer":
+                    raise KVWireError(_INVALID, "a bundle ends with its trailer")
+                return
             try:
                 chunk = kv_pb2.KVChunk.FromString(raw)
             except DecodeError as err:
@@ -217,27 +228,35 @@ class KVAssembler:
             self._fail(exc)
             raise
 
-    def finish(self) -> tuple[kv_pb2.KVHeader, CompactKV]:
-        """End of stream: the header and the decoded cache; DATA_LOSS if the stream was truncated."""
+    def _feed_entry(self, raw: memoryview) -> None:
+        fields = parse_data_wire(raw) if self._state == "streaming" else None
+        if fields is not None:
+            self._on_data(*fields)
+            return
+        try:
+            chunk = kv_pb2.KVChunk.FromString(raw)
+        except DecodeError as err:
+            raise KVWireError(_LOSS, f"unparsable bundle entry ({len(raw)} bytes): {err}") from err
+        self._feed(chunk)
+
+    def finish(self) -> kv_pb2.KVHeader:
+        """End of stream: the header; DATA_LOSS if the stream was truncated. The sink is the caller's."""
         if self._state == "failed":
             raise self._error or KVWireError(grpc.StatusCode.ABORTED, "transfer already failed")
-        try:
-            if self._state != "trailer":
-                missing = "header" if self._state == "start" else "trailer"
-                raise KVWireError(_LOSS, f"stream ended before its {missing} (truncated)")
-            result = self._build()
-        except BaseException as exc:
+        if self._state != "trailer":
+            missing = "header" if self._state == "start" else "trailer"
+            exc = KVWireError(_LOSS, f"stream ended before its {missing} (truncated)")
             self._fail(exc)
-            raise
+            raise exc
         self._state = "done"
-        return result
+        return self.header
 
     def abort(self) -> None:
-        """Give up (client went away, deadline, shutdown): release the allocation once; idempotent."""
+        """Give up (client went away, deadline, shutdown): release the sink once; idempotent."""
         if self._state not in ("done", "failed"):
             self._fail(KVWireError(grpc.StatusCode.CANCELLED, "transfer aborted"))
 
-    def __enter__(self) -> KVAssembler:
+    def __enter__(self) -> KVStreamReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -253,20 +272,21 @@ class KVAssembler:
     def _fail(self, exc: BaseException) -> None:
         self._state = "failed"
         self._error = exc if isinstance(exc, KVWireError) else None
-        self._bufs = []
-        if self._allocated:
-            self._allocated = False  # before calling out: release runs at most once
-            if self._release is not None:
-                self._release(self.handle)
+        sink, self.sink = self.sink, None  # before calling out: release runs at most once
+        if sink is not None:
+            sink.release()
 
     def _feed(self, chunk: kv_pb2.KVChunk) -> None:
         if not isinstance(chunk, kv_pb2.KVChunk):
             raise KVWireError(_INVALID, f"expected a KVChunk, got {type(chunk).__name__}")
         part = chunk.WhichOneof("part")
         if self._state == "start":
-            if part != "header":
+            if part == "bundle":  # read by protobuf (not in the canonical form ``split_bundle_wire`` reads)
+                self._on_bundle(chunk.bundle)
+            elif part != "header":
                 raise KVWireError(_INVALID, f"first message must be a header, got {part or 'empty chunk'}")
-            self._on_header(chunk.header)
+            else:
+                self._on_header(chunk.header)
         elif self._state == "trailer":
             raise KVWireError(_INVALID, f"{part or 'empty chunk'} after the trailer")
         elif part == "data":
@@ -274,18 +294,24 @@ class KVAssembler:
             self._on_data(d.layer, d.tensor, d.offset, d.data, d.crc32c)  # .data copies: read once
         elif part == "trailer":
             self._on_trailer(chunk.trailer)
+        elif part == "bundle":
+            raise KVWireError(_INVALID, "a bundle after the header")
         else:
             raise KVWireError(_INVALID, "second header" if part == "header" else "empty chunk")
 
+    def _on_bundle(self, b: kv_pb2.KVBundle) -> None:
+        if not (b.HasField("header") and b.HasField("trailer")):
+            raise KVWireError(_INVALID, "a bundle holds its header and its trailer")
+        self._on_header(b.header)
+        for d in b.data:
+            self._on_data(d.layer, d.tensor, d.offset, d.data, d.crc32c)
+        self._on_trailer(b.trailer)
+
     def _on_header(self, header: kv_pb2.KVHeader) -> None:
-        self.expected_bytes = validate_header(header, self._fingerprint, self._layout, **self._limits)
+        self.sink = self._open(header)  # checks the header first
         self._layer_bytes = all_tensor_bytes(header)
         self._filled = [[0] * len(sizes) for sizes in self._layer_bytes]
-        self._bufs = [[None] * len(sizes) for sizes in self._layer_bytes]
         self.header = header
-        if self._allocate is not None:
-            self.handle = self._allocate(header)
-        self._allocated = True
         self._state = "streaming"
 
     def _on_data(self, layer: int, tensor: int, offset: int, payload: bytes | memoryview, crc: int) -> None:
@@ -307,13 +333,7 @@ class KVAssembler:
             raise KVWireError(
                 _INVALID, f"{where}: chunk ends at {filled + n}, past the tensor's {size} bytes"
             )
-        buf = self._bufs[layer][tensor]
-        if buf is None and n == size and _immutable(payload):  # whole tensor in one chunk: a view
-            self._bufs[layer][tensor] = _byte_view(payload)
-        else:
-            if buf is None:
-                buf = self._bufs[layer][tensor] = torch.empty(size, dtype=torch.uint8)
-            memoryview(buf.numpy())[filled : filled + n] = payload
+        self.sink.write(layer, tensor, offset, payload)
         self._filled[layer][tensor] = filled + n
         self.bytes_received += n
         self.chunks_received += 1
@@ -330,17 +350,82 @@ class KVAssembler:
                 raise KVWireError(_LOSS, f"layer {layer} incomplete: {filled} of {sizes} bytes per tensor")
         self._state = "trailer"
 
-    def _build(self) -> tuple[kv_pb2.KVHeader, CompactKV]:
-        h = self.header
-        assert h is not None
+
+class _HostSink:
+    """Per-tensor host buffers (a tensor that arrives whole in one immutable message is a view of it)."""
+
+    def __init__(self, header: kv_pb2.KVHeader, handle: object, release: Callable[[object], None] | None):
+        self.handle = handle
+        self._release = release
+        self.bufs: list[list[torch.Tensor | None]] = [[None] * len(s) for s in all_tensor_bytes(header)]
+        self._sizes = all_tensor_bytes(header)
+
+    def write(self, layer: int, tensor: int, offset: int, payload: bytes | memoryview) -> None:
+        n, size = len(payload), self._sizes[layer][tensor]
+        buf = self.bufs[layer][tensor]
+        if buf is None and n == size and _immutable(payload):  # whole tensor in one chunk: a view
+            self.bufs[layer][tensor] = _byte_view(payload)
+            return
+        if buf is None:
+            buf = self.bufs[layer][tensor] = torch.empty(size, dtype=torch.uint8)
+        memoryview(buf.numpy())[offset : offset + n] = payload
+
+    def release(self) -> None:
+        self.bufs = []
+        if self._release is not None:
+            self._release(self.handle)
+
+
+class KVAssembler(KVStreamReader):
+    """``KVStreamReader`` into host buffers: ``finish()`` returns ``(header, CompactKV)``."""
+
+    def __init__(
+        self,
+        expected_fingerprint: str,
+        expected_layout: KVLayout,
+        *,
+        max_header_layers: int = 1024,
+        max_total_bytes: int = 1 << 34,
+        max_prompt_length: int = 1 << 22,
+        max_header_bytes: int = 1 << 16,
+        expected_kv_dtype: str = "fp16",
+        allocate: Callable[[kv_pb2.KVHeader], object] | None = None,
+        release: Callable[[object], None] | None = None,
+    ) -> None:
+        """``allocate(header)`` reserves pool blocks (raise KVWireError(RESOURCE_EXHAUSTED) to refuse);
+        whatever it returns is passed to ``release`` if the transfer fails afterwards."""
+        limits = dict(
+            max_header_layers=max_header_layers,
+            max_total_bytes=max_total_bytes,
+            max_prompt_length=max_prompt_length,
+            max_header_bytes=max_header_bytes,
+            expected_kv_dtype=expected_kv_dtype,
+        )
+        self.expected_bytes = 0
+        self.handle: object = None
+        self._scores: list[torch.Tensor] | None = None
+
+        def open_host(header: kv_pb2.KVHeader) -> _HostSink:
+            self.expected_bytes, self._scores = validate_header(
+                header, expected_fingerprint, expected_layout, **limits
+            )
+            self.handle = allocate(header) if allocate is not None else None
+            return _HostSink(header, self.handle, release)
+
+        super().__init__(open_host)
+
+    def finish(self) -> tuple[kv_pb2.KVHeader, CompactKV]:  # type: ignore[override]
+        """End of stream: the header and the decoded cache; DATA_LOSS if the stream was truncated."""
+        sink = self.sink
+        h = super().finish()
         layers = [
             [
                 buf.view(dtype).view(shape)
                 for buf, (shape, dtype) in zip(bufs, layer_shapes(h, i), strict=True)
             ]
-            for i, bufs in enumerate(self._bufs)
+            for i, bufs in enumerate(sink.bufs)
         ]
-        self._bufs = []
+        sink.bufs = []
         keys, values = [t[0] for t in layers], [t[1] for t in layers]
         scales = {}
         if h.kv_dtype:
@@ -355,7 +440,7 @@ class KVAssembler:
             values,
             prompt_length=h.prompt_length,
             first_token=h.first_token_id,
-            prompt_scores=header_prompt_scores(h),
+            prompt_scores=self._scores,
             **scales,
         )
         return h, ckv

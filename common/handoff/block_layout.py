@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from vlkv.common.block_math import ceil_div
 from vlkv.common.handoff.codec import crc32c_extend
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def block_runs(table: list[int]) -> list[tuple[int, int]]:

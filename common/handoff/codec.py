@@ -6,6 +6,9 @@ MiB-sized chunks those copies, not the network, bound loopback throughput. So:
 
 - ``encode_data_wire`` writes the exact bytes ``KVChunk(data=KVData(...)).SerializeToString()``
   would (fields in number order, proto3 zero scalars omitted) with a single join;
+- ``encode_bundle_wire`` joins a small cache's serialized chunks into one ``KVChunk{bundle: KVBundle}``
+  (the bundle's fields carry the chunks' own field numbers, so each chunk's bytes are a bundle entry as
+  they are) and ``split_bundle_wire`` hands them back as zero-copy views, each parsed like a message;
 - ``parse_data_wire`` reads a canonical data chunk as a zero-copy ``memoryview`` of the payload and
   returns None for anything else (header, trailer, unknown or repeated fields, non-minimal
   lengths, out-of-range values, truncation), which then goes through the real protobuf parser. So
@@ -62,6 +65,8 @@ else:  # pragma: no cover - only where the wheel's C extension cannot load
 
 
 _KV_CHUNK_DATA_TAG = 0x12  # KVChunk field 2 (data), length-delimited
+_KV_CHUNK_BUNDLE_TAG = 0x22  # KVChunk field 4 (bundle), length-delimited
+_BUNDLE_ENTRY_TAGS = (0x0A, 0x12, 0x1A)  # KVBundle header, data, trailer = KVChunk header, data, trailer
 _U32, _U64 = 1 << 32, 1 << 64
 
 
@@ -87,6 +92,33 @@ def encode_data_wire(layer: int, tensor: int, offset: int, piece: memoryview) ->
     tail = b"\x2d" + crc.to_bytes(4, "little") if crc else b""
     body_len = len(head) + piece.nbytes + len(tail)
     return b"".join((bytes([_KV_CHUNK_DATA_TAG]), _varint(body_len), head, piece, tail))
+
+
+def encode_bundle_wire(chunks: list[bytes]) -> bytes:
+    """One serialized ``KVChunk{bundle}`` of the serialized header, data and trailer chunks of a stream."""
+    return b"".join((bytes([_KV_CHUNK_BUNDLE_TAG]), _varint(sum(map(len, chunks))), *chunks))
+
+
+def split_bundle_wire(raw: bytes | bytearray | memoryview) -> list[memoryview] | None:
+    """The entries of a canonical serialized bundle, each the bytes of the KVChunk it stands for (a
+    zero-copy view), in order; None for anything else (protobuf's parser then reads it)."""
+    if len(raw) < 2 or raw[0] != _KV_CHUNK_BUNDLE_TAG:
+        return None
+    size, pos = _read_varint(raw, 1, len(raw))
+    end = len(raw)
+    if size < 0 or pos + size != end:
+        return None
+    view, entries = memoryview(raw), []
+    while pos < end:
+        start = pos
+        if raw[pos] not in _BUNDLE_ENTRY_TAGS:
+            return None
+        length, pos = _read_varint(raw, pos + 1, end)
+        if length < 0 or pos + length > end:
+            return None
+        pos += length
+        entries.append(view[start:pos])
+    return entries
 
 
 def _read_varint(buf: bytes | bytearray | memoryview, pos: int, end: int) -> tuple[int, int]:

@@ -2,13 +2,15 @@
 
 ``GrpcKVSender.send(header, cache)`` (the ``transport.KVSender`` seam) takes the header chunk (from
 ``wire.encode_header``) and a ``CompactKV`` or an iterable of per-layer ``(K, V)`` that may still be producing
-later layers while earlier ones are on the wire. The other transport is ``nixl_sender.NixlKVSender``.
+later layers while earlier ones are on the wire. A ``CompactKV`` of at most ``bundle_bytes`` goes as one
+message (``KVChunk.bundle``: header, data chunks and trailer together): a small cache's hand-off is
+gRPC's per-message time, not its bytes. The other transport is ``nixl_sender.NixlKVSender``.
 
 gRPC flow control: grpc.aio writes one message at a time and ``await``s each write until HTTP/2 flow
 control admits it, so a slow decode worker slows the sender; nothing is buffered without bound.
 Both ends must set message-size limits above the chunk size (``grpc_message_options``) and the sender
-a deadline. On the receiving side ``receive_kv_stream`` feeds a ``KVAssembler`` and turns any failure,
-cancellation or deadline into a release of the pool blocks and an aborted call with the right status.
+a deadline. The receiving side is the decode worker's ``decode_worker/grpc_receiver.py`` (the tools and
+tests serve it over an in-memory pool through ``tools/bench/kv_receiver.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
 import grpc
 import torch
-from vlkv.common.config import DRAIN_BYTES
 from vlkv.common.errors import refusal_of
-from vlkv.common.handoff.assembler import KVAssembler
+from vlkv.common.handoff.codec import encode_bundle_wire
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.wire import DEFAULT_CHUNK_BYTES, KVWireError, compact_layers, encode_stream
 from vlkv.v1 import kv_pb2, worker_pb2
@@ -97,7 +98,10 @@ class GrpcKVSender:
         timeout_s: float | None = 60.0,
         offload: bool = False,
         chunk_delay_s: float = 0.0,
+        bundle_bytes: int | None = None,
     ) -> None:
+        """``bundle_bytes``: a ``CompactKV`` of at most this many payload bytes goes as one message
+        (default: half of ``chunk_bytes``; 0: never)."""
         self._call = channel.stream_unary(
             method,
             request_serializer=_serialize,
@@ -107,6 +111,7 @@ class GrpcKVSender:
         self.timeout_s = timeout_s
         self.offload = offload
         self.chunk_delay_s = chunk_delay_s  # fault injection for tests: a pause before each data chunk
+        self.bundle_bytes = chunk_bytes // 2 if bundle_bytes is None else bundle_bytes
 
     transport = "grpc"
 
@@ -117,9 +122,17 @@ class GrpcKVSender:
         e.g. waiting for a GPU gather); otherwise production runs on the event loop, which is faster for
         tensors already in host memory (no thread hop and GIL hand-off per chunk).
         """
+        bundle = (
+            isinstance(layers, CompactKV) and layers.nbytes <= self.bundle_bytes and not self.chunk_delay_s
+        )
         if isinstance(layers, CompactKV):
             layers = compact_layers(layers)  # (K, V), or (K, V, K scales, V scales) for int8
         chunks = encode_stream(header, layers, self.chunk_bytes, wire=True)
+        if bundle:
+            whole = list(chunks)
+            if sum(map(len, whole)) <= self.chunk_bytes:  # within both ends' message limit
+                return await self.send_chunks([encode_bundle_wire(whole)])
+            chunks = iter(whole)
         if self.chunk_delay_s:
             return await self.send_chunks(_delayed(chunks, self.chunk_delay_s))
         return await self.send_chunks(_offload(chunks) if self.offload else chunks)
@@ -132,74 +145,3 @@ class GrpcKVSender:
             return await self._call(chunks, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             raise KVWireError(err.code(), err.details() or "KV transfer failed", refusal_of(err)) from err
-
-
-async def receive_kv_stream(
-    requests: AsyncIterable[kv_pb2.KVChunk | bytes],
-    assembler: KVAssembler,
-    context: grpc.aio.ServicerContext | None = None,
-) -> tuple[kv_pb2.KVHeader, CompactKV]:
-    """Feed every request into ``assembler`` and finish it (server side of ``TransferKV``).
-
-    On a ``KVWireError`` the call is aborted with its status when ``context`` is given (``abort``
-    raises), else the error propagates. Cancellation, deadlines and unexpected errors abort the
-    assembler too, so the pool blocks it allocated are always returned.
-    """
-    try:
-        async for chunk in requests:
-            if isinstance(chunk, bytes):
-                assembler.feed_wire(chunk)
-            else:
-                assembler.feed(chunk)
-        return assembler.finish()
-    except KVWireError as err:
-        assembler.abort()
-        if context is not None:
-            await _drain(requests)  # so the sender sees this status, not INTERNAL (see ``_drain``)
-            await context.abort(err.code, err.message)
-        raise
-    except BaseException:
-        assembler.abort()
-        raise
-
-
-async def _drain(requests: AsyncIterable, limit_bytes: int = DRAIN_BYTES, timeout_s: float = 5.0) -> None:
-    """Read and drop what a refused sender still streams (at most ``limit_bytes``, ``timeout_s``): a status
-    sent while the client is still writing reaches grpcio's client as ``INTERNAL: Internal error from
-    Core``. The decode worker's own receiver does the same with its limits (``transfers._drain``)."""
-
-    async def read() -> None:
-        seen = 0
-        async for chunk in requests:
-            seen += len(chunk) if isinstance(chunk, bytes) else chunk.ByteSize()
-            if seen > limit_bytes:
-                return
-
-    try:
-        await asyncio.wait_for(read(), timeout_s)
-    except (asyncio.TimeoutError, grpc.RpcError):
-        pass
-
-
-def kv_receiver_handler(
-    make_assembler: Callable[[], KVAssembler],
-    on_received: Callable[[kv_pb2.KVHeader, CompactKV, object], None] | None = None,
-    method: str = TRANSFER_KV_METHOD,
-) -> grpc.GenericRpcHandler:
-    """A generic ``TransferKV`` handler (for tools, tests and benchmarks; the decode worker has its own
-    servicer): one fresh assembler per call, ``on_received(header, cache, pool handle)`` on success."""
-
-    async def transfer(requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext):
-        assembler = make_assembler()
-        header, ckv = await receive_kv_stream(requests, assembler, context)
-        if on_received is not None:
-            on_received(header, ckv, assembler.handle)
-        return worker_pb2.TransferAck(bytes_received=assembler.bytes_received)
-
-    service, name = method.strip("/").split("/")
-    handler = grpc.stream_unary_rpc_method_handler(
-        transfer,
-        request_deserializer=None,  # raw bytes: KVAssembler.feed_wire parses data chunks zero-copy
-        response_serializer=worker_pb2.TransferAck.SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(service, {name: handler})

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
+import numpy as np
 import torch
 from vlkv.common.handoff.codec import crc32c, encode_data_wire
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -257,12 +258,13 @@ def header_prompt_scores(h: kv_pb2.KVHeader) -> list[torch.Tensor] | None:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"bad KV header: layer {layer}'s prompt_scores hold {len(b)} bytes, expected {n * size}",
             )
-        t = torch.frombuffer(bytearray(b), dtype=PROMPT_SCORE_DTYPE)
-        if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        a = np.frombuffer(b, dtype=np.float16)
+        if not (np.isfinite(a).all() and (a >= 0).all()):
             raise KVWireError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"bad KV header: layer {layer}'s prompt_scores hold a negative or non-finite value",
             )
+        t = torch.from_numpy(a.copy())
         out.append(t)
     return out
 

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 import torch
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, SequenceBlocks
-from vlkv.decode_worker.core import DecodeSequence
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.scheduler import Scheduler
+from vlkv.decode_worker.sequence import Sequence
 
 GIB = 1 << 30
 BLOCK_SIZE = 16  # PoolConfig.block_size default
@@ -97,12 +97,12 @@ def admit_count(pool_bytes: int, lengths: list[int], max_new_tokens: int, policy
 def sustained(pool_bytes: int, lengths: list[int], max_new_tokens: int, policy: str = "grow") -> dict:
     """Closed loop through the decode scheduler: mean sequences decoding per step, and preemptions."""
     pool = meta_pool(pool_bytes, policy)
-    sched: Scheduler[DecodeSequence] = Scheduler(pool, max_batch=1 << 30, swap_bytes=1 << 62)
+    sched: Scheduler[Sequence] = Scheduler(pool, max_batch=1 << 30, swap_bytes=1 << 62)
     steps, counts, finished = 3 * max_new_tokens, [], 0
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     for step in range(steps):
         while isinstance(blocks := pool.admit(lengths, max_new_tokens, len(sched.swapped)), SequenceBlocks):
-            sched.add(DecodeSequence(str(step), blocks, list(lengths), ADMIT_PROMPT, 0, sampling))
+            sched.add(Sequence(str(step), blocks, list(lengths), ADMIT_PROMPT, 0, sampling))
         plan = sched.schedule()
         counts.append(len(plan.running))
         for seq in plan.running:  # the step: one token per running sequence

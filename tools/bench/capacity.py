@@ -43,10 +43,10 @@ from vlkv.common.handoff.quantize import quantize_compact
 from vlkv.common.handoff.wire import compact_layers, encode_compact_kv
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, SequenceBlocks, recompress_target
-from vlkv.decode_worker.core import DecodeSequence
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
 from vlkv.decode_worker.scheduler import Scheduler
+from vlkv.decode_worker.sequence import Sequence
 from vlkv.tools.bench.admission import BLOCK_SIZE, GIB, LAYOUT_7B, WATERMARK, uneven_lengths
 
 PROMPT = 2048
@@ -104,7 +104,7 @@ def sustained(pool_bytes: int, case: Case, window: int, seed: int = 0) -> dict:
     """Closed loop through the scheduler (and the re-compression rule): mean decoding, preemptions, failed."""
     cache = meta_cache(pool_bytes, case.kv_dtype)
     pool, lengths = _pool(cache), case_lengths(case)
-    sched: Scheduler[DecodeSequence] = Scheduler(pool, 1 << 30, pool_bytes, cache.token_bytes)
+    sched: Scheduler[Sequence] = Scheduler(pool, 1 << 30, pool_bytes, cache.token_bytes)
     rng = random.Random(seed)
     steps, counts, finished, failed, evicted = 3 * NEW_MAX, [], 0, 0, 0
     for step in range(steps):
@@ -114,9 +114,7 @@ def sustained(pool_bytes: int, case: Case, window: int, seed: int = 0) -> dict:
             if not isinstance(blocks, SequenceBlocks):
                 break
             sched.add(
-                DecodeSequence(
-                    str(step), blocks, list(lengths), PROMPT, 0, SamplingConfig(max_new_tokens=want)
-                )
+                Sequence(str(step), blocks, list(lengths), PROMPT, 0, SamplingConfig(max_new_tokens=want))
             )
         plan = sched.schedule()
         failed += len(plan.failed)

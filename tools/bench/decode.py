@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from vlkv.common.block_math import ceil_div
 from vlkv.common.model.loading import language_model
 from vlkv.decode_worker import model_runner as runner_module
 from vlkv.decode_worker.block_manager import BlockManager
@@ -55,10 +56,6 @@ from vlkv.tools.bench.admission import (
 
 GAIN_MIN = 0.1  # the gain share (measured - 1) / (ideal - 1) is shown only where the ideal is >= 1.1x
 DTYPE = torch.float32  # fp32 matmuls beat bf16 on this CPU (no AVX-512 BF16); see the module notes
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _fmt_gib(n: float) -> str:
@@ -155,7 +152,7 @@ class Side:
     def __init__(self, model, m: int, lengths: list[int], n_seqs: int, reserve: int, seed: int) -> None:
         lay = LAYOUT_7B
         self.m, self.initial = m, lengths
-        blocks = n_seqs * sum(_ceil_div(n + reserve, BLOCK_SIZE) for n in lengths)
+        blocks = n_seqs * sum(ceil_div(n + reserve, BLOCK_SIZE) for n in lengths)
         self.blocks = BlockManager(blocks, BLOCK_SIZE)
         self.cache = KVCache(blocks, BLOCK_SIZE, lay.kv_heads, lay.head_dim, DTYPE)
         self.runner = ModelRunner(model, self.cache)
@@ -261,7 +258,7 @@ def throughput(
     block_bytes = 2 * lay.kv_heads * BLOCK_SIZE * lay.head_dim * elem
 
     def pool_bytes(b: int, lengths: list[int]) -> int:
-        return b * sum(_ceil_div(n + reserve, BLOCK_SIZE) for n in lengths) * block_bytes
+        return b * sum(ceil_div(n + reserve, BLOCK_SIZE) for n in lengths) * block_bytes
 
     rows = []
     for m in prompts:

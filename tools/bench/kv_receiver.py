@@ -1,7 +1,8 @@
 """A decode worker's receiving side without a model, in its own process: for the hand-off benchmark and tests.
 
-It serves ``TransferKV`` and ``TransferKVNixl`` through the decode worker's own ``TransferReceiver`` over a
-real ``KVCache`` pool and ``BlockManager``; every cache that arrives whole is freed again right after. With a
+It serves ``TransferKV`` and ``TransferKVNixl`` through the decode worker's own receivers and ``Admission``
+over a real ``KVCache`` pool and ``BlockManager`` (a ``DecodeCore`` with no model); every cache that arrives
+whole is freed again right after. This is also the tools' and tests' ``TransferKV`` handler. With a
 ``dump_dir``, each arrived cache is first read back from the pool and written there as raw bytes
 (``<request id>.kv``: every layer's K then V, ``[H_kv, k_l, D]``, then with ``kv_dtype="int8"`` its K and V
 scales), so a test can compare bit for bit.
@@ -17,67 +18,80 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import torch
-from vlkv.common.config import DecodeConfig, Limits, PoolConfig, TransferConfig
+from vlkv.common.config import Limits, PoolConfig, TransferConfig
 from vlkv.common.handoff.grpc_transport import grpc_message_options, tune_malloc
 from vlkv.common.handoff.nixl_agent import POLL_S, NixlAgent
 from vlkv.common.model.spec import KVLayout
-from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, SequenceBlocks
-from vlkv.decode_worker.kv_cache import KVCache
-from vlkv.decode_worker.rendezvous import Rendezvous
+from vlkv.decode_worker.admission import Admission
+from vlkv.decode_worker.core import DecodeCore
+from vlkv.decode_worker.grpc_receiver import GrpcKVReceiver
+from vlkv.decode_worker.nixl_receiver import NixlKVReceiver
+from vlkv.decode_worker.sequence import Sequence
 from vlkv.decode_worker.server import add_decode_servicer
-from vlkv.decode_worker.transfers import TransferReceiver
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 FINGERPRINT = "kv-receiver"
 
 
-@dataclass(eq=False)
-class Arrived:
-    request_id: str
-    blocks: SequenceBlocks
-    lengths: list[int] = field(default_factory=list)
+class _FreeOnArrival:
+    """Arrivals that free each cache at once (after ``on_arrival``, e.g. a dump), as an unclaimed lease
+    would."""
+
+    def __init__(self, core: DecodeCore, on_arrival=None) -> None:
+        self.core = core
+        self.on_arrival = on_arrival
+
+    def check_new(self, rid: str) -> None:
+        pass
+
+    def may_park(self, rid: str, sender: str) -> bool:
+        return True
+
+    def begin_transfer(self, rid: str, transfer) -> None:
+        pass
+
+    def end_transfer(self, rid: str, transfer) -> None:
+        pass
+
+    def superseded(self, transfer) -> bool:
+        return False
+
+    def deliver(self, seq: Sequence, sender: str = "") -> bool:
+        if self.on_arrival is not None:
+            self.on_arrival(seq)
+        self.core.blocks.free(seq.blocks)
+        return True
 
 
 class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(
         self, layout: KVLayout, pool_bytes: int, nixl: bool, dump_dir: str | None, **transfer
     ) -> None:
-        layers, heads, dim, dtype = layout
-        kv_dtype = transfer.get("kv_dtype", "fp16")
-        self.cache = KVCache.from_bytes(pool_bytes, 16, heads, dim, dtype, kv_dtype=kv_dtype)
-        self.pool = BlockManager(self.cache.num_blocks, 16, AdmissionPolicy(False, 0))
-        cfg = DecodeConfig(Limits(), PoolConfig(pool_bytes=pool_bytes), "cpu", TransferConfig(**transfer))
+        t = TransferConfig(**transfer)
         spec = SimpleNamespace(fingerprint=FINGERPRINT, kv_layout=layout, vocab_size=0)
-        self.rendezvous = Rendezvous(
-            lambda s: self.pool.free(s.blocks),
-            claim_wait_s=1,
-            unclaimed_lease_s=1e-3,
-            max_unclaimed_per_sender=1 << 20,
-        )
+        pool = PoolConfig(pool_bytes=pool_bytes, block_size=16, watermark=0.0)
+        self.core = DecodeCore.from_config(None, spec, pool, t.kv_dtype, "cpu")
+        self.cache, self.pool = self.core.cache, self.core.blocks
         self.dump_dir = Path(dump_dir) if dump_dir else None
-        agent = NixlAgent("decode") if nixl else None
-        self.receiver = TransferReceiver(
-            spec, cfg, self.pool, self.cache, self.rendezvous, lambda h: None, self._arrived, lambda: 0, agent
-        )
+        arrivals = _FreeOnArrival(self.core, self._dump if self.dump_dir is not None else None)
+        self.admission = Admission(self.core, spec, arrivals, limits=Limits(), transfer=t)
+        self.grpc_receiver = GrpcKVReceiver(self.admission)
+        self.nixl_receiver = NixlKVReceiver(self.admission, NixlAgent("decode") if nixl else None)
 
-    def _arrived(self, header, sampling, blocks: SequenceBlocks) -> Arrived:
-        seq = Arrived(header.request_id, blocks, list(header.layer_lengths))
-        if self.dump_dir is not None:
-            parts = []
-            for table, k in zip(blocks.tables, seq.lengths, strict=True):
-                for t in self.cache.read(table, k):
-                    parts.append(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
-            (self.dump_dir / f"{header.request_id}.kv").write_bytes(b"".join(parts))
-        return seq
+    def _dump(self, seq: Sequence) -> None:
+        parts = []
+        for table, k in zip(seq.blocks.tables, seq.lengths, strict=True):
+            for t in self.cache.read(table, k):
+                parts.append(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+        (self.dump_dir / f"{seq.request_id}.kv").write_bytes(b"".join(parts))
 
     async def GetLoad(self, request, context):
-        r = self.receiver.received
+        r = self.admission.received
         return worker_pb2.WorkerLoad(
             free_blocks=self.pool.num_free,
             total_blocks=self.pool.num_blocks,
@@ -86,10 +100,10 @@ class ReceiverServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
     async def TransferKV(self, request_iterator, context):
-        return await self.receiver.grpc(request_iterator, context)
+        return await self.grpc_receiver.receive(request_iterator, context)
 
     async def TransferKVNixl(self, request_iterator, context):
-        async for reply in self.receiver.nixl_stream(request_iterator, context):
+        async for reply in self.nixl_receiver.receive(request_iterator, context):
             yield reply
 
 

@@ -4,10 +4,10 @@ A 2K-token prompt on a 7B-shaped layout (32 layers, 8 KV heads, head dim 128, fp
 and 100%. Receivers run in a separate process. Four transfers of the same cache, interleaved in
 every repeat so they see the same machine load (ratios are medians of per-repeat ratios):
 
-- gRPC: a real ``grpc.aio`` server whose ``TransferKV`` takes raw bytes, as the decode worker's does,
-  and feeds a ``KVAssembler`` (CRC-32C check; a tensor that arrives whole in one message is kept as a view of it,
-  others are copied into layer buffers); the client encodes lazily from the tensors (CRC-32C, one-copy
-  framing) and streams through ``GrpcKVSender``, as the prefill worker does.
+- gRPC: the decode worker's own ``TransferKV`` receiver (``kv_receiver``: raw bytes, CRC-32C and finite
+  checks, each chunk written straight into a real ``KVCache`` pool's blocks, admission and arrival); the
+  client encodes lazily from the tensors (CRC-32C, one-copy framing) and streams through ``GrpcKVSender``,
+  as the prefill worker does.
 - TCP: a plain socket sending the already-serialized chunk bytes, drained into a buffer: the ceiling.
 - TCP+fmt (diagnostic): the same socket, but the sender encodes lazily and the receiver runs the same
   ``KVAssembler`` on length-prefixed messages - what the wire format costs without gRPC.
@@ -69,7 +69,6 @@ from vlkv.common.handoff.grpc_transport import (
     TRANSFER_KV_METHOD,
     GrpcKVSender,
     grpc_message_options,
-    kv_receiver_handler,
     tune_malloc,
 )
 from vlkv.common.handoff.nixl_agent import NixlAgent
@@ -104,19 +103,16 @@ async def _drain(requests, context) -> worker_pb2.TransferAck:
     return worker_pb2.TransferAck(bytes_received=n)
 
 
-def _grpc_server(chunk_bytes: int, port_q: mp.Queue, stop: mp.Event, raw: bool = False) -> None:
+def _grpc_raw_server(chunk_bytes: int, port_q: mp.Queue, stop: mp.Event) -> None:
     tune_malloc()
 
     async def main() -> None:
         server = grpc.aio.server(options=grpc_message_options(chunk_bytes))
-        if raw:
-            service, name = TRANSFER_KV_METHOD.strip("/").split("/")
-            handler = grpc.stream_unary_rpc_method_handler(
-                _drain, response_serializer=worker_pb2.TransferAck.SerializeToString
-            )
-            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
-        else:
-            server.add_generic_rpc_handlers([kv_receiver_handler(lambda: KVAssembler(FINGERPRINT, LAYOUT))])
+        service, name = TRANSFER_KV_METHOD.strip("/").split("/")
+        handler = grpc.stream_unary_rpc_method_handler(
+            _drain, response_serializer=worker_pb2.TransferAck.SerializeToString
+        )
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
         port_q.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         while not stop.is_set():
@@ -177,8 +173,8 @@ async def _grpc_raw_once(sender: GrpcKVSender, blobs: list[bytes]) -> float:
     return elapsed
 
 
-async def _grpc_once(sender: GrpcKVSender, ckv: CompactKV) -> float:
-    header = next(encode_compact_kv(ckv, request_id="bench", fingerprint=FINGERPRINT))
+async def _grpc_once(sender: GrpcKVSender, ckv: CompactKV, rid: str = "bench") -> float:
+    header = compact_header(ckv, request_id=rid, fingerprint=kv_receiver.FINGERPRINT)
     start = time.perf_counter()
     ack = await sender.send(header, zip(ckv.keys, ckv.values, strict=True))
     elapsed = time.perf_counter() - start
@@ -244,16 +240,19 @@ def run(repeats: int, chunk_bytes: int) -> list[dict]:
     tune_malloc()
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
+    # gRPC (and NIXL, in its own process): the decode worker's own receivers over a real KV pool
     servers = [
-        ctx.Process(target=_grpc_server, args=(chunk_bytes, port_q, stop), daemon=True),
-        ctx.Process(target=_tcp_server, args=(port_q,), daemon=True),
-        ctx.Process(target=_grpc_server, args=(chunk_bytes, port_q, stop, True), daemon=True),
+        ctx.Process(target=kv_receiver.serve, args=([LAYOUT], port_q, stop, 320, None, False), daemon=True)
     ]
-    ports = []
-    for p in servers:
+    servers[0].start()
+    ports = [port_q.get(timeout=120)[0][0]]
+    servers += [
+        ctx.Process(target=_tcp_server, args=(port_q,), daemon=True),
+        ctx.Process(target=_grpc_raw_server, args=(chunk_bytes, port_q, stop), daemon=True),
+    ]
+    for p in servers[1:]:
         p.start()
         ports.append(port_q.get(timeout=60))
-    # NIXL: the decode worker's own receiver (TransferReceiver over a real KV pool, 16-token blocks)
     servers.append(ctx.Process(target=kv_receiver.serve, args=([LAYOUT], port_q, stop, 320), daemon=True))
     servers[-1].start()
     ports.append(port_q.get(timeout=120)[0][0])
@@ -403,7 +402,7 @@ def report(rows: list[dict], out: Path, chunk_bytes: int, repeats: int, load: tu
     ax1.bar(labels, [r["wire"] / 1e6 for r in rows])
     ax1.set(title="bytes on the wire (MB, incl. metadata)", xlabel="budget")
     names = {
-        "grpc": "gRPC (aio + KVAssembler)",
+        "grpc": "gRPC (into the pool)",
         "tcp": "plain TCP",
         "tcp_fmt": "TCP + same format work",
         "grpc_raw": "gRPC raw (grpcio alone)",

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from vlkv.tools.bench.report import COLORS, SYSTEMS, Results
+from vlkv.tools.bench.compare_systems import COLORS, SYSTEMS, Results
 from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS
 
 
@@ -173,7 +173,7 @@ def _markdown(res: Results) -> list[str]:
         f"(b) and (c)), N = max(4, {plan.requests_per_level:g} C)",
         "- Table 2 cells: the same with `--concurrency B -n B` (and without `--images-per-prompt/--filler-words` "
         "for the short prompts)",
-        "- Capacity and decode-phase throughput: `vlkv.tools.bench.report.probe_capacity` (worker API, "
+        "- Capacity and decode-phase throughput: `vlkv.tools.bench.compare_systems.probe_capacity` (worker API, "
         "described in section 1); for (c) one batch of its capacity through the load generator",
         f"- Fidelity: `vlkv eval --policy P --budget B -n {res.fidelity.get('n', plan.eval_n)}` for each row; "
         "kvpress rows: `vlkv.tools.bench.kvpress.run_kvpress`",
@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     """Re-render ``report.md`` and the plots from a ``results.json`` (no measurement)."""
     import argparse
 
-    from vlkv.tools.bench.report import Plan
+    from vlkv.tools.bench.compare_systems import Plan
 
     p = argparse.ArgumentParser(prog="python -m vlkv.tools.bench.render")
     p.add_argument("results", help="results.json written by vlkv bench all")

@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from vlkv.v1 import generate_pb2 as vlkv_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10vlkv/v1/kv.proto\x12\x07vlkv.v1\x1a\x16vlkv/v1/generate.proto\"~\n\x07KVChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.KVHeaderH\x00\x12\x1f\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x0f.vlkv.v1.KVDataH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.vlkv.v1.KVTrailerH\x00\x42\x06\n\x04part\"\x8b\x03\n\x08KVHeader\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x15\n\rlayer_lengths\x18\x08 \x03(\r\x12\x15\n\rprompt_length\x18\t \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\n \x01(\r\x12)\n\x08sampling\x18\x0b \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x15\n\rprompt_tokens\x18\r \x01(\r\x12\x15\n\rvision_tokens\x18\x0e \x01(\r\x12\x0e\n\x06policy\x18\x0f \x01(\t\x12\x10\n\x08kv_dtype\x18\x10 \x01(\t\x12\x15\n\rprompt_scores\x18\x11 \x03(\x0c\"h\n\x06KVData\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x06tensor\x18\x02 \x01(\x0e\x32\x11.vlkv.v1.KVTensor\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\x07\"4\n\tKVTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04*f\n\x08KVTensor\x12\x11\n\rKV_TENSOR_KEY\x10\x00\x12\x13\n\x0fKV_TENSOR_VALUE\x10\x01\x12\x17\n\x13KV_TENSOR_KEY_SCALE\x10\x02\x12\x19\n\x15KV_TENSOR_VALUE_SCALE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10vlkv/v1/kv.proto\x12\x07vlkv.v1\x1a\x16vlkv/v1/generate.proto\"\xa3\x01\n\x07KVChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.KVHeaderH\x00\x12\x1f\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x0f.vlkv.v1.KVDataH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.vlkv.v1.KVTrailerH\x00\x12#\n\x06\x62undle\x18\x04 \x01(\x0b\x32\x11.vlkv.v1.KVBundleH\x00\x42\x06\n\x04part\"q\n\x08KVBundle\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.KVHeader\x12\x1d\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x0f.vlkv.v1.KVData\x12#\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.vlkv.v1.KVTrailer\"\x8b\x03\n\x08KVHeader\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x15\n\rlayer_lengths\x18\x08 \x03(\r\x12\x15\n\rprompt_length\x18\t \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\n \x01(\r\x12)\n\x08sampling\x18\x0b \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x15\n\rprompt_tokens\x18\r \x01(\r\x12\x15\n\rvision_tokens\x18\x0e \x01(\r\x12\x0e\n\x06policy\x18\x0f \x01(\t\x12\x10\n\x08kv_dtype\x18\x10 \x01(\t\x12\x15\n\rprompt_scores\x18\x11 \x03(\x0c\"h\n\x06KVData\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x06tensor\x18\x02 \x01(\x0e\x32\x11.vlkv.v1.KVTensor\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\x07\"4\n\tKVTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04*f\n\x08KVTensor\x12\x11\n\rKV_TENSOR_KEY\x10\x00\x12\x13\n\x0fKV_TENSOR_VALUE\x10\x01\x12\x17\n\x13KV_TENSOR_KEY_SCALE\x10\x02\x12\x19\n\x15KV_TENSOR_VALUE_SCALE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlkv.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTENSOR']._serialized_start=739
-  _globals['_KVTENSOR']._serialized_end=841
-  _globals['_KVCHUNK']._serialized_start=53
-  _globals['_KVCHUNK']._serialized_end=179
-  _globals['_KVHEADER']._serialized_start=182
-  _globals['_KVHEADER']._serialized_end=577
-  _globals['_KVDATA']._serialized_start=579
-  _globals['_KVDATA']._serialized_end=683
-  _globals['_KVTRAILER']._serialized_start=685
-  _globals['_KVTRAILER']._serialized_end=737
+  _globals['_KVTENSOR']._serialized_start=892
+  _globals['_KVTENSOR']._serialized_end=994
+  _globals['_KVCHUNK']._serialized_start=54
+  _globals['_KVCHUNK']._serialized_end=217
+  _globals['_KVBUNDLE']._serialized_start=219
+  _globals['_KVBUNDLE']._serialized_end=332
+  _globals['_KVHEADER']._serialized_start=335
+  _globals['_KVHEADER']._serialized_end=730
+  _globals['_KVDATA']._serialized_start=732
+  _globals['_KVDATA']._serialized_end=836
+  _globals['_KVTRAILER']._serialized_start=838
+  _globals['_KVTRAILER']._serialized_end=890
 # @@protoc_insertion_point(module_scope)

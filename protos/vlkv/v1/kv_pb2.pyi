@@ -20,14 +20,26 @@ KV_TENSOR_KEY_SCALE: KVTensor
 KV_TENSOR_VALUE_SCALE: KVTensor
 
 class KVChunk(_message.Message):
+    __slots__ = ("header", "data", "trailer", "bundle")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    data: KVData
+    trailer: KVTrailer
+    bundle: KVBundle
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ..., bundle: _Optional[_Union[KVBundle, _Mapping]] = ...) -> None: ...
+
+class KVBundle(_message.Message):
     __slots__ = ("header", "data", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
-    data: KVData
+    data: _containers.RepeatedCompositeFieldContainer[KVData]
     trailer: KVTrailer
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Iterable[_Union[KVData, _Mapping]]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
     __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "layer_lengths", "prompt_length", "first_token_id", "sampling", "eos_token_ids", "prompt_tokens", "vision_tokens", "policy", "kv_dtype", "prompt_scores")

@@ -13,7 +13,7 @@ holds in the KV budget (for vlkv counted exactly at the decode worker's admissio
 that concurrency, throughput against latency over a sweep of closed-loop concurrency (the paper's Figure
 6), end-to-end latency for 100 output tokens by batch size and prompt length (the paper's Table 2), TTFT
 with the KV hand-off included, and a fidelity table (``vlkv.tools.eval.evaluation`` on the held-out split,
-and NVIDIA kvpress's presses where they run; see ``bench_kvpress.py``).
+and NVIDIA kvpress's presses where they run; see ``kvpress.py``).
 """
 
 from __future__ import annotations

@@ -62,61 +62,65 @@ def sample_tokens(
     each row is shifted so its maximum is 0 before it is divided by its temperature (in float64), so a
     tiny temperature only drives the others towards ``-inf`` (probability 0) and never overflows; the most
     likely token always keeps a positive probability. A row holding NaN or +inf (or nothing but -inf) gets
-    ``NonFiniteLogits``: the model's output, not the settings, is broken. Each sampled row draws from its
-    own generator (``torch.multinomial`` on that row), so a sequence's tokens do not depend on its batch.
+    ``NonFiniteLogits``: the model's output, not the settings, is broken. top-k keeps the k most likely
+    tokens (ties at the k-th broken by index), then top-p the smallest prefix of those reaching ``top_p``.
+    Each sampled row draws from its own generator, so a sequence's tokens do not depend on its batch.
     """
     out: list[int | VlkvError | None] = [None] * len(configs)
-    top = logits.max(dim=-1).values
+    top, argmax = logits.max(dim=-1)  # one pass: each row's maximum (finite?) and the greedy token
     finite = torch.isfinite(top).tolist()
-    greedy, sampled = [], []
+    greedy, sampled = argmax.tolist(), []
     for i, cfg in enumerate(configs):
         if not finite[i]:
             out[i] = NonFiniteLogits("the model produced non-finite logits (NaN or inf)")
         elif cfg.greedy:
-            greedy.append(i)
+            out[i] = greedy[i]
         elif not (math.isfinite(cfg.temperature) and cfg.temperature > 0.0):
             out[i] = InvalidInput(f"temperature must be a finite number >= 0, got {cfg.temperature}")
         elif not (math.isfinite(cfg.top_p) and 0.0 < cfg.top_p <= 1.0):
             out[i] = InvalidInput(f"top_p must be in (0, 1], got {cfg.top_p}")
         else:
             sampled.append(i)
-    if greedy:
-        rows = greedy if len(greedy) < len(configs) else slice(None)
-        for i, token in zip(greedy, torch.argmax(logits[rows], dim=-1).tolist(), strict=True):
-            out[i] = token
-    if sampled:
-        for i, token in zip(sampled, _sample_rows(logits, top, configs, generators, sampled), strict=True):
-            out[i] = token
+    vocab = logits.shape[-1]
+    with_k = [i for i in sampled if 0 < configs[i].top_k < vocab]
+    without_k = [i for i in sampled if not 0 < configs[i].top_k < vocab]
+    for rows, k in ((with_k, max((configs[i].top_k for i in with_k), default=0)), (without_k, 0)):
+        if rows:
+            for i, token in zip(rows, _sample_rows(logits, top, configs, generators, rows, k), strict=True):
+                out[i] = token
     return out  # type: ignore[return-value]
 
 
-def _sample_rows(logits, top, configs, generators, rows: list[int]) -> list[int]:
-    """Temperature, top-k and top-p for ``rows`` of ``logits`` at once, then one draw per row."""
+def _sample_rows(logits, top, configs, generators, rows: list[int], k: int) -> list[int]:
+    """Temperature, top-k (``k``: the largest of the rows'; 0: none) and top-p for ``rows`` at once, then
+    one draw per row from its generator. With top-k only each row's ``k`` best tokens are scored."""
     cfgs = [configs[i] for i in rows]
-    index = torch.tensor(rows, device=logits.device)
-    vocab = logits.shape[-1]
-    temps = torch.tensor([c.temperature for c in cfgs], dtype=torch.float64, device=logits.device)
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    x, ids = logits[index], None
+    if k:  # the candidates: scaling by a positive temperature keeps their order
+        x, ids = torch.topk(x, k, dim=-1)  # sorted, most likely first
+        ks = torch.tensor([c.top_k for c in cfgs], device=device)[:, None]
+        x = x.masked_fill(torch.arange(k, device=device)[None, :] >= ks, float("-inf"))
+    temps = torch.tensor([c.temperature for c in cfgs], dtype=torch.float64, device=device)[:, None]
     # <= 0 everywhere, 0 at each row's maximum; dividing cannot overflow upwards (the maximum stays 0).
-    x = ((logits[index].double() - top[index, None].double()) / temps[:, None]).float()
-    ks = [c.top_k if 0 < c.top_k < vocab else 0 for c in cfgs]
-    if any(ks):
-        kth = torch.full((len(rows), 1), float("-inf"), device=x.device)
-        for j, k in enumerate(ks):
-            if k:
-                kth[j, 0] = torch.topk(x[j], k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(((x.double() - top[index, None].double()) / temps).float(), dim=-1)
     top_p = [c.top_p for c in cfgs]
     if min(top_p) < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        if ids is None:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        else:
+            sorted_probs, order = probs, None  # already in descending order
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+        p = torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None]
         drop = (cumulative - sorted_probs > p) & (p < 1.0)  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+        kept = sorted_probs.masked_fill(drop, 0.0)
+        probs = kept if order is None else torch.zeros_like(probs).scatter_(1, order, kept)
     tokens = []
     for j, i in enumerate(rows):
         row, generator = probs[j], generators[i]
         if generator is not None and row.device != generator.device:  # e.g. CUDA logits, a CPU generator
             row = row.to(generator.device)
-        tokens.append(int(torch.multinomial(row, 1, generator=generator)))
+        choice = int(torch.multinomial(row, 1, generator=generator))
+        tokens.append(choice if ids is None else int(ids[j, choice]))
     return tokens

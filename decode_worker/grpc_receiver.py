@@ -14,6 +14,7 @@ deserializer: data chunks are parsed zero-copy) or as ``KVChunk`` messages from 
 from __future__ import annotations
 
 import time
+import warnings
 
 import grpc
 import numpy as np
@@ -21,69 +22,85 @@ import torch
 from vlkv.common.block_math import ceil_div
 from vlkv.common.errors import abort_with
 from vlkv.common.handoff.assembler import KVStreamReader
+from vlkv.common.handoff.compact_kv import all_finite
 from vlkv.common.handoff.wire import KVWireError, layer_shapes
 from vlkv.decode_worker.admission import Admission, sender_of
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.sequence import Sequence
 from vlkv.v1 import kv_pb2, worker_pb2
 
-_EXPONENT = {2: np.uint16, 4: np.uint32}  # float bits by item size: all-ones exponent = NaN or inf
-_EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000}
+
+def _bytes_tensor(data) -> torch.Tensor:
+    """A uint8 tensor over received bytes (immutable: only read, then copied into the pool)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
-def finite_bits(data, dtype: torch.dtype) -> bool:
-    """Whether the packed ``dtype`` values in ``data`` hold no NaN or inf (read from their bits in place)."""
-    mask = _EXPONENT_MASK[dtype]
-    bits = np.frombuffer(data, dtype=_EXPONENT[dtype.itemsize])
-    return not bool(np.any(bits & mask == mask))
-
-
-class PoolRows:
-    """The pool's K, V (and 8-bit V-scale) tensors as rows of bytes: row ``(block * H_kv + h) * B + slot``
-    holds head ``h``'s token at ``slot`` of ``block`` (``D`` values, or one scale). NumPy views of a CPU
-    pool (one fancy-indexed copy per chunk), torch views on a GPU."""
+class PoolBlocks:
+    """The pool's K, V (and 8-bit V-scale) tensors as ``[N, H_kv, B, row bytes]``: a row is one head's
+    token (``D`` values, or one scale). A run of one head's tokens inside a block is contiguous there as
+    in the wire's ``[H_kv, k, D]``, so a chunk lands as a few slice copies and one block-granular indexed
+    copy per head. NumPy views of a CPU pool, torch views on a GPU."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.cpu = cache.device.type == "cpu"
-        self.tensors = [self._rows(t) for t in (cache.k, cache.v, None, cache.v_scale)]
+        self.tensors = [self._blocks(t) for t in (cache.k, cache.v, None, cache.v_scale)]
 
-    def _rows(self, t: torch.Tensor | None):
+    def _blocks(self, t: torch.Tensor | None):
         if t is None:
             return None
-        row = t[0, 0, 0].numel() * t.element_size()
-        flat = t.view(-1, *t.shape[3:]).view(torch.uint8).view(-1, row)
+        n, heads, b = t.shape[:3]
+        flat = t.view(n, heads, b, -1).view(torch.uint8)  # [N, H_kv, B, row bytes]
         return flat.numpy() if self.cpu else flat
 
-    def write(self, tensor: int, dst: np.ndarray, data) -> None:
-        """Rows ``data`` (bytes, a whole number of rows) into pool rows ``dst``."""
-        rows = self.tensors[tensor]
-        src = np.frombuffer(data, dtype=np.uint8).reshape(len(dst), rows.shape[1])
-        if self.cpu:
-            rows[dst] = src
-        else:
-            rows.index_copy_(
-                0, torch.from_numpy(dst).to(rows.device), torch.from_numpy(src.copy()).to(rows.device)
-            )
+    def write(self, tensor: int, table, k: int, first: int, rows) -> None:
+        """``rows`` (``[n, row bytes]``) are the wire rows ``first..`` of a layer of ``k`` tokens (row
+        ``h * k + t``), whose blocks are ``table``."""
+        pool, b = self.tensors[tensor], self.cache.block_size
+        if not self.cpu:
+            rows = rows.to(pool.device)
+        i, n = 0, len(rows)
+        while i < n:
+            h, t = divmod(first + i, k)
+            m = min(k - t, n - i)  # this head's tokens t .. t + m
+            self._head(pool, table, h, t, rows[i : i + m], b)
+            i += m
+
+    @staticmethod
+    def _head(pool, table, h: int, t: int, rows, b: int) -> None:
+        m, j = len(rows), 0
+        if t % b:  # the end of a block already begun
+            j = min(b - t % b, m)
+            pool[table[t // b], h, t % b : t % b + j] = rows[:j]
+        full = (m - j) // b
+        if full:
+            first = (t + j) // b
+            pool[table[first : first + full], h] = rows[j : j + full * b].reshape(full, b, -1)
+            j += full * b
+        if j < m:
+            pool[table[(t + j) // b], h, : m - j] = rows[j:]
 
 
 class PoolSink:
-    """Writes a stream's chunks into one sequence's blocks: K and V (and an 8-bit cache's V scales) row
-    by row where each token lives (block ``table[t // B]``, slot ``t % B``), an 8-bit layer's K scales
-    (``[H_kv, D]``, one set per layer) into every block of the layer once they are whole.
+    """Writes a stream's chunks into one sequence's blocks: K and V (and an 8-bit cache's V scales) where
+    each token lives (block ``table[t // B]``, slot ``t % B``), an 8-bit layer's K scales (``[H_kv, D]``,
+    one set per layer) into every block of the layer once they are whole.
 
     A row (one head's token: ``D`` values, or one scale) cut by a chunk boundary is carried to the next
     chunk of its tensor; float payloads are checked finite before they are written."""
 
-    def __init__(self, admission: Admission, rows: PoolRows, seq: Sequence, header: kv_pb2.KVHeader) -> None:
+    def __init__(
+        self, admission: Admission, pool: PoolBlocks, seq: Sequence, header: kv_pb2.KVHeader
+    ) -> None:
         self.admission = admission
-        self.rows = rows
+        self.pool = pool
         self.seq = seq
         self.header = header
-        self._heads = header.num_kv_heads
         self._carry: dict[tuple[int, int], bytearray] = {}
         self._k_scales: dict[int, bytearray] = {}
-        self._dst: dict[int, np.ndarray] = {}
+        self._tables: dict[int, object] = {}
 
     def write(self, layer: int, tensor: int, offset: int, payload: bytes | memoryview) -> None:
         shape, dtype = layer_shapes(self.header, layer)[tensor]
@@ -100,49 +117,51 @@ class PoolSink:
             if len(carry) < row:
                 self._carry[(layer, tensor)] = carry
                 return
-            self._write(layer, tensor, first, 1, bytes(carry), dtype)
+            self._write(layer, tensor, first, bytes(carry), dtype, row)
             first += 1
-        whole = len(view) // row
+        whole = len(view) // row * row
         if whole:
-            self._write(layer, tensor, first, whole, view[: whole * row], dtype)
-        if whole * row < len(view):
-            self._carry[(layer, tensor)] = bytearray(view[whole * row :])
+            self._write(layer, tensor, first, view[:whole], dtype, row)
+        if whole < len(view):
+            self._carry[(layer, tensor)] = bytearray(view[whole:])
 
-    def _write(self, layer: int, tensor: int, first: int, n: int, data, dtype: torch.dtype) -> None:
-        """``n`` rows from ``first`` of tensor ``tensor`` (head-major ``[H_kv, k]`` rows) into their slots."""
-        if dtype.is_floating_point and not finite_bits(data, dtype):
+    def _write(self, layer: int, tensor: int, first: int, data, dtype: torch.dtype, row: int) -> None:
+        """Whole rows from ``first`` of tensor ``tensor`` (head-major ``[H_kv, k]`` rows) into their slots."""
+        src = _bytes_tensor(data)
+        if dtype.is_floating_point and not all_finite(src.view(dtype)):
             name = ("keys", "values", "key scales", "value scales")[tensor]
             raise KVWireError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"the cache holds NaN or inf in layer {layer} {name}"
             )
-        self.rows.write(tensor, self._slots(layer)[first : first + n], data)
+        rows = src.view(-1, row)
+        k = self.header.layer_lengths[layer]
+        self.pool.write(tensor, self._table(layer), k, first, rows.numpy() if self.pool.cpu else rows)
 
-    def _slots(self, layer: int) -> np.ndarray:
-        """Pool row of each of layer ``layer``'s ``[H_kv, k]`` rows (computed once per layer)."""
-        dst = self._dst.get(layer)
-        if dst is None:
-            b = self.rows.cache.block_size
-            k = self.header.layer_lengths[layer]
-            t = np.arange(k)
-            blocks = np.asarray(self.seq.blocks.tables[layer][: ceil_div(k, b)], dtype=np.int64)[t // b]
-            base = blocks * (self._heads * b) + t % b  # head 0's row of each token
-            dst = self._dst[layer] = (base[None, :] + (np.arange(self._heads) * b)[:, None]).reshape(-1)
-        return dst
+    def _table(self, layer: int):
+        table = self._tables.get(layer)
+        if table is None:
+            ids = self.seq.blocks.tables[layer][
+                : ceil_div(self.header.layer_lengths[layer], self.pool.cache.block_size)
+            ]
+            table = np.asarray(ids, dtype=np.int64)
+            if not self.pool.cpu:
+                table = torch.from_numpy(table).to(self.pool.cache.device)
+            self._tables[layer] = table
+        return table
 
     def finish(self) -> None:
         """Every byte arrived: an 8-bit cache's K scales into every block of their layer."""
-        cache = self.rows.cache
+        cache = self.pool.cache
         for layer, raw in self._k_scales.items():
             shape, dtype = layer_shapes(self.header, layer)[2]
-            if not finite_bits(raw, dtype):
+            scales = _bytes_tensor(bytes(raw)).view(dtype).view(shape)
+            if not all_finite(scales):
                 raise KVWireError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the cache holds NaN or inf in layer {layer} key scales",
                 )
-            scales = torch.frombuffer(raw, dtype=dtype).view(shape).to(cache.device)
-            cache.k_scale[
-                torch.tensor(self.seq.blocks.tables[layer], dtype=torch.long, device=cache.device)
-            ] = scales
+            ids = torch.tensor(self.seq.blocks.tables[layer], dtype=torch.long, device=cache.device)
+            cache.k_scale[ids] = scales.to(cache.device)
 
     def release(self) -> None:
         self.admission.release(self.seq)
@@ -161,13 +180,13 @@ class GrpcKVReceiver:
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
-        self.rows = PoolRows(admission.cache)
+        self.pool = PoolBlocks(admission.cache)
 
     async def receive(self, requests, context) -> worker_pb2.TransferAck:
         adm = self.admission
         deadline = time.monotonic() + adm.t.deadline_s
         sender = sender_of(context)
-        reader = KVStreamReader(lambda h: PoolSink(adm, self.rows, adm.admit(h, sender, transfer), h))
+        reader = KVStreamReader(lambda h: PoolSink(adm, self.pool, adm.admit(h, sender, transfer), h))
         transfer = _GrpcTransfer(reader)
         it = requests.__aiter__()
         entered = False
@@ -186,10 +205,9 @@ class GrpcKVReceiver:
             except KVWireError:
                 sink.release()
                 raise
+            held = sink.seq.blocks.num_blocks  # the arrivals own the blocks from here
             adm.arrive(sink.seq, self.transport, sender, transfer)
-            return worker_pb2.TransferAck(
-                bytes_received=reader.bytes_received, blocks_allocated=sink.seq.blocks.num_blocks
-            )
+            return worker_pb2.TransferAck(bytes_received=reader.bytes_received, blocks_allocated=held)
         except KVWireError as exc:
             reader.abort()
             if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:

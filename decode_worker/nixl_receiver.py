@@ -112,11 +112,11 @@ class NixlKVReceiver:
                     grpc.StatusCode.CANCELLED, f"request {rid!r} was cancelled during its hand-off"
                 )
             self._verify(header, seq.blocks, done, landed)
-            transfer.seq = None
+            transfer.seq, held = None, seq.blocks.num_blocks  # the arrivals own the blocks from here
             adm.arrive(seq, self.transport, sender, transfer)
             nbytes = sum(map(sum, all_tensor_bytes(header)))  # K, V and any scales, as over gRPC
             yield worker_pb2.NixlTransferReply(
-                ack=worker_pb2.TransferAck(bytes_received=nbytes, blocks_allocated=seq.blocks.num_blocks)
+                ack=worker_pb2.TransferAck(bytes_received=nbytes, blocks_allocated=held)
             )
         except KVWireError as exc:
             transfer.release()

@@ -100,6 +100,8 @@ def test_core_cuts_layers_back_frees_blocks_and_keeps_positions(tiny, kv_dtype):
     def post(batch, logits):
         out = real_post(batch, logits)
         for s in batch:
+            if s.finished:  # its last token: the core freed its blocks
+                continue
             budgets = [recompress_budget(n, 0.5, 8) for n in s.prompt_lengths]
             assert all(n < b + 4 for n, b in zip(s.lengths, budgets, strict=True))  # never a block past
             assert [len(t) for t in s.blocks.tables] == [-(-n // 4) for n in s.lengths]  # no spare blocks

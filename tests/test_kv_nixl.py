@@ -1,5 +1,5 @@
 """The NIXL hand-off between real processes: the decode worker's receiver (``tools/bench/kv_receiver.py``, its
-``TransferReceiver`` over a real pool) in a child process, the prefill side's ``NixlKVSender`` here.
+``NixlKVReceiver`` and ``Admission`` over a real pool) in a child process, the prefill side's ``NixlKVSender`` here.
 
 Round trips are bit-exact for every KV dtype and per-layer lengths from 1 up; each fault (checksum mismatch,
 a non-finite cache, a sender that never says done, a sender killed mid-write, a receiver killed mid-write, NIXL absent on the

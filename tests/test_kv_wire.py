@@ -551,3 +551,26 @@ def test_a_small_cache_travels_as_one_bundle_and_is_checked_the_same():
     with pytest.raises(KVWireError) as exc:  # a bundle is the whole stream: nothing may follow it
         asyncio.run(_grpc_transfer(ckv, [bundle, wire[-1]], []))
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_pool_blocks_write_the_same_through_numpy_and_torch():
+    """``PoolBlocks`` copies with NumPy on a CPU pool and with torch on a GPU one: both place every row
+    (heads, partial first and last blocks, whole blocks) in the same slots."""
+    from vlkv.decode_worker.grpc_receiver import PoolBlocks
+    from vlkv.decode_worker.kv_cache import KVCache
+
+    caches = [KVCache(16, 4, num_kv_heads=2, head_dim=3) for _ in range(2)]
+    table = [9, 2, 7, 5]
+    src = torch.randn(2, 13, 3)  # [H, k, D]
+    rows = src.reshape(26, 3).view(torch.uint8).view(26, 12)
+    for cache, torch_path in zip(caches, (False, True), strict=True):
+        pool = PoolBlocks(cache)
+        if torch_path:
+            pool.cpu = False
+            pool.tensors = [pool._blocks(t) for t in (cache.k, cache.v, None, cache.v_scale)]
+        ids = torch.tensor(table) if torch_path else np.asarray(table)
+        for first, n in ((0, 5), (5, 11), (16, 10)):  # cuts inside a head and across heads
+            part = rows[first : first + n]
+            pool.write(0, ids, 13, first, part if torch_path else part.numpy())
+        assert torch.equal(cache.read(table, 13)[0], src)
+    assert torch.equal(caches[0].k, caches[1].k)

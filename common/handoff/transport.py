@@ -4,7 +4,7 @@ Senders (``KVSender``): ``grpc_transport.GrpcKVSender`` (K/V in ``TransferKV`` m
 ``nixl_sender.NixlKVSender`` (header and control over ``TransferKVNixl``, K/V written by NIXL straight into
 the decode pool). Both take the header chunk (``wire.encode_header``) and the ``CompactKV``, and both raise
 ``KVWireError`` with the decode worker's status and refusal reason. The receiving side of both is
-``decode_worker/transfers.py``, which admits with the same checks and hands the cache on the same way.
+``decode_worker/grpc_receiver.py`` and ``nixl_receiver.py``, which both end in ``decode_worker/admission.py``.
 
 ``--kv-transport``: ``grpc``; ``nixl`` (a worker that cannot load NIXL refuses to start); ``auto``: NIXL where
 it loads and TLS is off (NIXL bytes are not encrypted), else gRPC. A prefill worker on ``auto`` whose decode

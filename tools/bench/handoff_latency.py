@@ -33,6 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+if os.environ.get("VLKV_BENCH_TREE"):  # a worker for another checkout: import vlkv from it alone, never
+    # falling back to this checkout's editable install for a module that checkout lacks
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+    ]
+
 DEFAULT_LAYOUT = (4, 2, 32, "float32")  # the default model's (common/default_model/config.json), fp32
 SIZES = {"12 KB": 6, "120 KB": 60, "1.2 MB": 600}  # tokens per layer
 LAYOUT_7B = (32, 8, 128, "float16")
@@ -163,13 +169,17 @@ def _shim(tree: Path) -> str:
 
 
 class _Tree:
-    def __init__(self, name: str, tree: Path | None) -> None:
+    """A worker process of ``script`` (``script --worker``: JSON commands in, one JSON line out each)
+    importing ``vlkv`` from ``tree`` (None: this checkout)."""
+
+    def __init__(self, name: str, tree: Path | str | None, script: str = __file__) -> None:
         env = dict(os.environ)
         if tree is not None:
-            env["PYTHONPATH"] = os.pathsep.join([_shim(tree), env.get("PYTHONPATH", "")])
+            env["PYTHONPATH"] = os.pathsep.join([_shim(Path(tree)), env.get("PYTHONPATH", "")])
+            env["VLKV_BENCH_TREE"] = str(tree)
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker"],
+            [sys.executable, script, "--worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -177,15 +187,19 @@ class _Tree:
         )
         assert json.loads(self.proc.stdout.readline())["ready"]
 
-    def run(self, op: str, arg, n: int) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, "arg": arg, "n": n}) + "\n")
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
+    def run(self, op: str, arg, n: int) -> dict:
+        return self.ask({"op": op, "arg": arg, "n": n})
+
     def close(self) -> None:
-        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        self.proc.stdin.flush()
-        self.proc.wait(30)
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(30)
 
 
 def _pct(xs: list[float], q: float) -> float:

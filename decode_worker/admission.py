@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
-from vlkv.common import logs
 from vlkv.common.config import Limits, TransferConfig
 from vlkv.common.errors import InvalidInput, Refusal, VlkvError
 from vlkv.common.handoff.assembler import validate_header
@@ -158,7 +157,6 @@ class Admission:
             status=SequenceStatus.WAITING_FOR_KV,
         )
         self.core.seed(seq, checked.prompt_scores)
-        logs.request_id.set(rid)
         if transfer is not None:
             self.arrivals.begin_transfer(rid, transfer)
         return seq

@@ -19,6 +19,7 @@ import warnings
 import grpc
 import numpy as np
 import torch
+from vlkv.common import logs
 from vlkv.common.block_math import ceil_div
 from vlkv.common.errors import abort_with
 from vlkv.common.handoff.assembler import KVStreamReader
@@ -186,7 +187,13 @@ class GrpcKVReceiver:
         adm = self.admission
         deadline = time.monotonic() + adm.t.deadline_s
         sender = sender_of(context)
-        reader = KVStreamReader(lambda h: PoolSink(adm, self.pool, adm.admit(h, sender, transfer), h))
+
+        def open_sink(header: kv_pb2.KVHeader) -> PoolSink:
+            seq = adm.admit(header, sender, transfer)
+            logs.request_id.set(header.request_id)  # this call's task: its log lines name the request
+            return PoolSink(adm, self.pool, seq, header)
+
+        reader = KVStreamReader(open_sink)
         transfer = _GrpcTransfer(reader)
         it = requests.__aiter__()
         entered = False

@@ -20,6 +20,7 @@ import time
 
 import grpc
 import torch
+from vlkv.common import logs
 from vlkv.common.block_math import ceil_div
 from vlkv.common.errors import Refusal, abort_with
 from vlkv.common.handoff.assembler import all_tensor_bytes
@@ -100,6 +101,7 @@ class NixlKVReceiver:
             header = first.open.header
             seq = transfer.seq = adm.admit(header, sender, transfer)
             rid = header.request_id
+            logs.request_id.set(rid)  # this call's task: its log lines name the request
             window = min(adm.t.write_window_s, deadline - time.monotonic())
             transfer.window_end = time.monotonic() + window
             yield worker_pb2.NixlTransferReply(

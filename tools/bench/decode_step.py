@@ -117,6 +117,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
+        # run as a script: its folder is sys.path[0], where tools/bench/kernels.py would pass for the
+        # ``kernels`` package transformers looks for
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
         worker()
     else:
         main()

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-n", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (more spin on a shared machine)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     acc, per_kind = full_cache_accuracy(args.member, args.n, args.seed, args.split)
     print(
         json.dumps(

@@ -6,12 +6,12 @@ rather than a crash in the middle of a request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from vlkv.common.errors import ConfigError
-from vlkv.common.security import SecurityConfig
+from vlkv.common.security import SecurityConfig, draw_internal_token
 
 __all__ = ["ConfigError", "SecurityConfig"]  # re-exported: config is where callers look for them
 
@@ -236,6 +236,8 @@ class ServerConfig:
         _check(self.image_cache_mb >= 0, "image_cache_mb must be >= 0")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
         _check(self.keepalive_s == 0 or self.keepalive_s >= 0.5, "keepalive_s must be 0 (off) or >= 0.5")
+        if not self.security.authenticates_workers:  # every deployment authenticates its worker ports
+            self.security = replace(self.security, internal_token=draw_internal_token())
         self.security.check_exposure(self.host)
         _check(  # one KV chunk plus its framing (grpc_transport.MESSAGE_OVERHEAD_BYTES) fits in a message
             self.transfer.chunk_bytes + (1 << 17) <= self.limits.max_message_bytes,

@@ -103,6 +103,16 @@ def make_channel(
     return grpc.aio.secure_channel(address, creds, options=options)
 
 
+def make_sync_channel(address: str, security, max_message_bytes: int = 64 << 20) -> grpc.Channel:
+    """A blocking channel to a worker with the same credentials (the internal token included): for tools
+    and tests that query worker ports directly."""
+    options = channel_options(max_message_bytes)
+    creds = security.channel_credentials()
+    if creds is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, creds, options=options)
+
+
 def abort_on_error(method):
     """Turn a VlkvError raised by a unary handler into the call's gRPC status."""
 

@@ -3,17 +3,22 @@
 One :class:`SecurityConfig` describes a process: its certificate and key (TLS on every server it runs), the
 CA that signed its peers (verify servers; with ``mutual_tls`` also require and verify client certificates
 on the internal worker services), the bearer token the public API demands, and the internal token every
-internal call carries. Everything off is the local one-machine mode; ``check_exposure`` refuses to run that
-mode on a non-loopback address, and refuses worker ports that anyone holding the public CA certificate could
-call: exposed beyond loopback, internal calls are authenticated by client certificates (``mutual_tls``) or by
-the internal token (``vlkv serve`` draws a random one when TLS is on without ``--mtls``; Ray ships it to
-every worker with the rest of the configuration). Workers refuse a call without it (UNAUTHENTICATED);
-internal channels attach it to every call as call credentials.
+internal call carries. TLS off is the local one-machine mode; ``check_exposure`` refuses to run that mode on
+a non-loopback address.
+
+Worker ports never take an unauthenticated call, loopback included: internal calls are authenticated by
+client certificates (``mutual_tls``) or by the internal token. Every ``ServerConfig`` without mutual TLS
+draws a random token when none is given (``draw_internal_token``: ``vlkv serve``, the Ray deployment and the
+in-process test cluster alike; Ray ships it to every worker with the rest of the configuration), and every
+worker server refuses a call without it (UNAUTHENTICATED; health checks stay open). Internal channels attach
+it to every call as call credentials: over TLS, or over local (loopback, unencrypted) channel credentials
+in the local mode, where gRPC allows call credentials on loopback connections only.
 """
 
 from __future__ import annotations
 
 import hmac
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +49,6 @@ class SecurityConfig:
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise ConfigError("TLS needs both a certificate and a key")
-        if self.internal_token and not self.cert:
-            raise ConfigError(
-                "an internal token needs TLS (--tls-cert/--tls-key): it would travel in the clear"
-            )
         if self.mutual_tls and not (self.cert and self.ca):
             raise ConfigError("mutual TLS needs a certificate, a key and a CA bundle")
         for path in (self.cert, self.key, self.ca):
@@ -69,11 +70,21 @@ class SecurityConfig:
             require_client_auth=require,
         )
 
+    @property
+    def authenticates_workers(self) -> bool:
+        """Whether worker ports authenticate their callers (client certificates or the internal token)."""
+        return self.mutual_tls or bool(self.internal_token)
+
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """Credentials for internal channels: verify the server by the CA; present our cert under mTLS;
-        attach the internal token (if any) to every call."""
+        attach the internal token (if any) to every call. Without TLS: local (loopback) credentials carrying
+        the token, or None (a plain insecure channel) when there is no token either."""
         if not self.tls:
-            return None
+            if not self.internal_token:
+                return None
+            local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+            token = grpc.metadata_call_credentials(_InternalTokenPlugin(self.internal_token))
+            return grpc.composite_channel_credentials(local, token)
         if self.mutual_tls:
             creds = grpc.ssl_channel_credentials(_read(self.ca), _read(self.key), _read(self.cert))
         else:
@@ -101,6 +112,11 @@ class SecurityConfig:
                 f"refusing to serve on {host!r} with unauthenticated worker ports: pass --mtls (with "
                 "--tls-ca), or an internal token (--internal-token or VLKV_INTERNAL_TOKEN)"
             )
+
+
+def draw_internal_token() -> str:
+    """A fresh random internal token (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
 
 
 class _InternalTokenPlugin(grpc.AuthMetadataPlugin):

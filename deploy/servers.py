@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from vlkv.common.config import ServerConfig
+from vlkv.common.errors import ConfigError
 from vlkv.common.grpc_server import Server
 from vlkv.common.handoff.grpc_transport import tune_malloc
 from vlkv.common.handoff.transport import nixl_agent_for
@@ -74,8 +75,11 @@ def _load_worker(cfg: ServerConfig, model, tokenizer):
 
 
 def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
-    """An internal server: TLS as configured, the internal token checked on every call when one is set,
-    and pings answered (the gateway and prefill workers keep their connections here alive)."""
+    """An internal server: TLS as configured, the internal token checked on every call (client certificates
+    instead under mutual TLS without a token), and pings answered (the gateway and prefill workers keep
+    their connections here alive). Never one that takes unauthenticated calls, loopback included."""
+    if not cfg.security.authenticates_workers:
+        raise ConfigError("a worker needs an internal token or mutual TLS to authenticate its callers")
     return Server(
         cfg.host,
         port,

@@ -18,14 +18,20 @@ import sys
 import time
 from pathlib import Path
 
+from vlkv.common.security import SecurityConfig, draw_internal_token
+
 ROOT = Path(__file__).resolve().parent.parent
+# What a test holds to call the workers' ports: the internal token every ServerProcess is started with (each
+# child reads it from VLKV_INTERNAL_TOKEN; a child's own PROC_SECURITY is never used).
+PROC_SECURITY = SecurityConfig(internal_token=draw_internal_token())
 
 
 def _config(args):
-    from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
+    from vlkv.common.config import ModelConfig, PoolConfig, SecurityConfig, ServerConfig, TransferConfig
 
     return ServerConfig(
         model=ModelConfig(path=args.model),
+        security=SecurityConfig(internal_token=os.environ.get("VLKV_INTERNAL_TOKEN", "")),
         pool=PoolConfig(pool_bytes=int(args.pool_mb * (1 << 20)), cache_wait_ms=args.cache_wait_ms),
         transfer=TransferConfig(deadline_s=args.deadline_s, fault_chunk_delay_ms=args.chunk_delay_ms),
         grace_s=0.5,
@@ -82,6 +88,7 @@ class ServerProcess:
         self.log_path = workdir / f"{name}.log"
         self.address_file.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env["VLKV_INTERNAL_TOKEN"] = PROC_SECURITY.internal_token  # one token for every server of a test run
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.proc_server", kind, "--address-file", str(self.address_file)]

@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import InvalidInput
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.wire import encode_compact_kv
 from vlkv.common.sampling import NonFiniteLogits, SamplingConfig, make_generator, sample_token
@@ -48,7 +49,7 @@ def cluster(tiny_model_dirs):
         pool=PoolConfig(pool_bytes=4 << 20, max_batch=8),
     )
     c = InProcCluster(cfg)
-    c.decode_channel = grpc.insecure_channel(c.decode.address)
+    c.decode_channel = make_sync_channel(c.decode.address, cfg.security)
     c.decode_stub = worker_pb2_grpc.DecodeWorkerStub(c.decode_channel)
     yield c
     c.decode_channel.close()
@@ -350,7 +351,7 @@ def test_engine_loop_death_turns_not_serving_and_exits(cluster):
     worker = cluster.run(start_decode_worker(cfg, model=cluster.model, tokenizer=cluster.processor.tokenizer))
     servicer = worker.servicer
     servicer.exit_process = exits.append
-    channel = grpc.insecure_channel(worker.address)
+    channel = make_sync_channel(worker.address, cfg.security)
     stub, health = worker_pb2_grpc.DecodeWorkerStub(channel), health_pb2_grpc.HealthStub(channel)
     check = health_pb2.HealthCheckRequest(service="")
     try:

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options
 from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
@@ -26,7 +27,7 @@ def cluster(tiny_model_dirs):
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
     )
     c = InProcCluster(cfg)
-    c.decode_channel = grpc.insecure_channel(c.decode.address)
+    c.decode_channel = make_sync_channel(c.decode.address, cfg.security)
     c.decode_stub = worker_pb2_grpc.DecodeWorkerStub(c.decode_channel)
     yield c
     c.decode_channel.close()
@@ -210,7 +211,11 @@ def test_refusal_reaches_a_sender_still_streaming_large_messages(cluster):
     ckv = CompactKV(keys, values, prompt_length=m, first_token=1)
 
     async def send(rid: str):
-        channel = grpc.aio.insecure_channel(cluster.decode.address, options=grpc_message_options(4 << 20))
+        channel = grpc.aio.secure_channel(
+            cluster.decode.address,
+            cluster.cfg.security.channel_credentials(),
+            options=grpc_message_options(4 << 20),
+        )
         try:
             chunks = encode_compact_kv(
                 ckv, request_id=rid, fingerprint=servicer.fingerprint, policy="full", prompt_tokens=m,

@@ -9,6 +9,7 @@ import threading
 import pytest
 import ray
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.local import LocalCluster, init_ray
 from vlkv.tools.client import build_request, connect, generate
@@ -63,12 +64,11 @@ def test_request_through_ray_placed_workers(cluster):
 
 def test_workers_are_separate_processes_and_pools_return(cluster):
     c, loop = cluster
-    import grpc
 
     pids = ray.get([r.actor.__ray_call__.remote(lambda self: os.getpid()) for r in c.autoscaler.replicas])
     assert len(set(pids)) == 2 and os.getpid() not in pids
     decode = [r.address for r in c.autoscaler.replicas if r.kind == "decode"]
-    with grpc.insecure_channel(decode[0]) as ch:
+    with make_sync_channel(decode[0], cluster.cfg.security) as ch:
         load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
     assert load.free_blocks == load.total_blocks > 0
     assert load.running == 0

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import ray
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.local import LocalCluster, init_ray
 from vlkv.tools.client import build_request, connect, generate
@@ -135,7 +136,7 @@ def test_decode_worker_killed_mid_stream(cluster):
     )
     for w in _status(cluster).workers:
         if w.kind == "decode":
-            with grpc.insecure_channel(w.address) as ch:
+            with make_sync_channel(w.address, cluster.cfg.security) as ch:
                 load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
             assert load.free_blocks == load.total_blocks
     channel, stub = connect(cluster.address)

@@ -28,10 +28,11 @@ import time
 
 import grpc
 import pytest
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.tools.client import build_request, connect, generate
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from tests.proc_server import ServerProcess
+from tests.proc_server import PROC_SECURITY, ServerProcess
 from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
@@ -107,7 +108,7 @@ def reference(procs):
 
 
 def _load(address: str, stub_cls=worker_pb2_grpc.DecodeWorkerStub) -> worker_pb2.WorkerLoad:
-    with grpc.insecure_channel(address) as ch:
+    with make_sync_channel(address, PROC_SECURITY) as ch:
         return stub_cls(ch).GetLoad(worker_pb2.LoadRequest(), timeout=5)
 
 

@@ -19,6 +19,7 @@ from vlkv.common.config import (
     ServerConfig,
     TransferConfig,
 )
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.prefill_worker.peers import DecodePeers
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -33,7 +34,7 @@ def cluster(tiny_model_dirs):
         model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20), transfer=t
     )
     c = InProcCluster(cfg, client=False)
-    c.channel_ = grpc.insecure_channel(c.decode.address)
+    c.channel_ = make_sync_channel(c.decode.address, cfg.security)
     c.decode_stub = worker_pb2_grpc.DecodeWorkerStub(c.channel_)
     yield c
     c.channel_.close()
@@ -141,7 +142,7 @@ def test_concurrent_transfers_are_bounded(cluster):
 
 
 def test_prefill_dials_only_registered_decode_workers(cluster):
-    stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(cluster.prefill.address))
+    stub = worker_pb2_grpc.PrefillWorkerStub(make_sync_channel(cluster.prefill.address, cluster.cfg.security))
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         stub.Prefill(worker_pb2.PrefillRequest(request_id="x", decode_address="192.0.2.1:50051"), timeout=30)

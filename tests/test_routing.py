@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig, TransferConfig
+from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.services.router import DecodeSlot
 from vlkv.tools.client import build_request, generate
@@ -43,7 +44,7 @@ def cluster(tiny_model_dirs):
 def _fill(cluster, address: str, leave_free: int) -> None:
     """Park orphan caches (long lease) on a worker until fewer than ``leave_free`` blocks are free."""
     pool = cluster.decode.servicer.pool if address == cluster.decode.address else cluster.second.servicer.pool
-    with grpc.insecure_channel(address) as ch:
+    with make_sync_channel(address, cluster.cfg.security) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         i = 0
         while pool.num_free >= leave_free:

@@ -137,9 +137,12 @@ def _creds(pki, internal_token: str | None):
 
 
 def _call(address: str, creds, service: str, method) -> grpc.StatusCode:
-    """Call ``method`` of ``service`` with an empty message (raw bytes); the status it ends with."""
+    """Call ``method`` of ``service`` with an empty message (raw bytes); the status it ends with (``creds``
+    None: a plain insecure channel)."""
     path = f"/{service}/{method.name}"
-    with grpc.secure_channel(address, creds, options=channel_options(1 << 20)) as ch:
+    options = channel_options(1 << 20)
+    channel = grpc.insecure_channel(address, options) if creds is None else None
+    with channel or grpc.secure_channel(address, creds, options=options) as ch:
         kind = {
             (False, False): ch.unary_unary,
             (False, True): ch.unary_stream,
@@ -196,18 +199,21 @@ def test_worker_ports_serve_the_internal_token_and_health_stays_open(token_clust
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_exposed_workers_need_mtls_or_an_internal_token(tiny_model_dirs, pki):
+def test_every_deployment_authenticates_its_workers(tiny_model_dirs, pki):
+    """Without mutual TLS a ServerConfig draws an internal token when none is given, exposed or local."""
     model = ModelConfig(path=tiny_model_dirs("llava-gqa"))
     tls = dict(cert=pki["cert"], key=pki["key"], ca=pki["ca"], api_token=TOKEN)
-    with pytest.raises(ConfigError, match="unauthenticated worker ports"):
-        ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls))
-    ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls, internal_token=INTERNAL))
-    ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls, mutual_tls=True))
-    with pytest.raises(ConfigError, match="needs TLS"):
-        SecurityConfig(internal_token=INTERNAL)
+    exposed = [ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls)) for _ in range(2)]
+    local = ServerConfig(model=model)
+    drawn = [c.security.internal_token for c in (*exposed, local)]
+    assert all(len(t) >= 32 for t in drawn) and len(set(drawn)) == 3
+    given = ServerConfig(model=model, security=SecurityConfig(internal_token=INTERNAL))
+    assert given.security.internal_token == INTERNAL
+    mtls = ServerConfig(model=model, host="0.0.0.0", security=SecurityConfig(**tls, mutual_tls=True))
+    assert mtls.security.authenticates_workers and not mtls.security.internal_token
 
 
-def test_vlkv_serve_draws_an_internal_token_when_tls_has_no_mtls(pki, monkeypatch):
+def test_vlkv_serve_draws_an_internal_token_unless_mtls(pki, monkeypatch):
     monkeypatch.delenv("VLKV_INTERNAL_TOKEN", raising=False)
 
     def config(*extra):
@@ -230,3 +236,53 @@ def test_vlkv_serve_draws_an_internal_token_when_tls_has_no_mtls(pki, monkeypatc
     assert config("--internal-token", INTERNAL).internal_token == INTERNAL
     mtls = config("--mtls")
     assert mtls.mutual_tls and not mtls.internal_token
+    parser = argparse.ArgumentParser()
+    _add_server_flags(parser)
+    local = [_server_config(parser.parse_args([])).security.internal_token for _ in range(2)]
+    assert all(len(t) >= 32 for t in local) and local[0] != local[1]  # the local mode too
+
+
+# -- The local mode (no TLS): the worker ports still take only calls carrying the internal token ---------
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tiny_model_dirs):
+    """The one-machine mode as `vlkv serve` runs it: no TLS, no API token, a drawn internal token."""
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=2 << 20)
+    )
+    c = InProcCluster(cfg)
+    yield c
+    c.close()
+
+
+def _local_creds(internal_token: str | None):
+    """Loopback channel credentials (plaintext), with a token if given; None: a plain insecure channel."""
+    if internal_token is None:
+        return None
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    return grpc.composite_channel_credentials(local, grpc.metadata_call_credentials(_Token(internal_token)))
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong-token"])
+def test_local_worker_ports_refuse_calls_without_the_internal_token(local_cluster, token):
+    """Loopback is no exception: with no token (a plain insecure channel), an empty or a wrong one, every
+    method of both workers ends UNAUTHENTICATED before it runs."""
+    seen = {}
+    for address, service, method in _worker_methods(local_cluster):
+        seen[f"{service}/{method.name}"] = _call(address, _local_creds(token), service, method)
+    assert {"vlkv.v1.DecodeWorker/TransferKV", "vlkv.v1.PrefillWorker/Prefill"} <= set(seen)
+    assert set(seen.values()) == {grpc.StatusCode.UNAUTHENTICATED}, seen
+
+
+def test_local_mode_serves_with_the_drawn_token(local_cluster):
+    out = generate(
+        local_cluster.stub,
+        build_request(images=[random_png(1)], question="what ?", max_new_tokens=3),
+        timeout=30,
+    )
+    assert out.finished is not None and out.finished.usage.generated_tokens >= 1
+    creds = _local_creds(local_cluster.cfg.security.internal_token)
+    with grpc.secure_channel(local_cluster.decode.address, creds) as ch:
+        load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
+    assert load.total_blocks > 0 and load.free_blocks == load.total_blocks

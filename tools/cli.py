@@ -7,7 +7,6 @@ import asyncio
 import io
 import logging
 import os
-import secrets
 import signal
 import sys
 from pathlib import Path
@@ -61,11 +60,10 @@ def _server_config(args) -> ServerConfig:
 
 
 def _internal_token(args) -> str:
-    """The secret internal calls carry: given, or drawn at random when TLS is on without --mtls (every
-    worker gets it with the rest of the configuration), so worker ports never take unauthenticated calls."""
-    if args.internal_token or not args.tls_cert or args.mtls:
-        return args.internal_token
-    return secrets.token_urlsafe(32)
+    """The secret internal calls carry, if given; otherwise ``ServerConfig`` draws one (unless --mtls
+    authenticates the workers instead), and Ray ships it to every worker with the rest of the
+    configuration, so worker ports never take unauthenticated calls, loopback included."""
+    return args.internal_token
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -170,7 +168,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--internal-token",
         default=os.environ.get("VLKV_INTERNAL_TOKEN", ""),
-        help="secret every internal call carries (default with TLS and no --mtls: a random one)",
+        help="secret every internal call carries (default without --mtls: a random one, drawn at start-up)",
     )
 
 

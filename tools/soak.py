@@ -12,18 +12,18 @@ import argparse
 import asyncio
 import sys
 
-import grpc
 from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.grpc_server import make_channel
 from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.local import LocalCluster
 from vlkv.tools.loadgen import format_summary, run_load_async, synthetic_workload
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 
-async def _pools(addresses: list[str]) -> dict[str, tuple[int, int]]:
+async def _pools(addresses: list[str], security) -> dict[str, tuple[int, int]]:
     out = {}
     for a in addresses:
-        async with grpc.aio.insecure_channel(a) as ch:
+        async with make_channel(a, security, 1 << 20) as ch:
             load = await worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
         out[a] = (load.free_blocks, load.total_blocks)
     return out
@@ -35,7 +35,7 @@ async def soak(args) -> int:
     await cluster.start()
     try:
         decode = [r.address for r in cluster.autoscaler.replicas if r.kind == "decode"]
-        before = await _pools(decode)
+        before = await _pools(decode, cfg.security)
         requests = synthetic_workload(
             args.n, seed=args.seed, max_new_tokens=args.max_new_tokens, policy=args.policy, budget=args.budget
         )
@@ -43,7 +43,7 @@ async def soak(args) -> int:
             cluster.address, requests, concurrency=args.concurrency, max_requests=args.n, label="soak"
         )
         await asyncio.sleep(1.0)
-        after = await _pools(decode)
+        after = await _pools(decode, cfg.security)
     finally:
         await cluster.stop()
     summary = result.summary()

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import grpc
 from vlkv.common.config import DEFAULT_MODEL_DIR
+from vlkv.common.grpc_server import make_channel, make_sync_channel
+from vlkv.common.security import SecurityConfig, draw_internal_token
 from vlkv.tools.loadgen import LoadResult, format_summary, run_load, synthetic_workload
 from vlkv.tools.progress import Progress, progress
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, worker_pb2, worker_pb2_grpc
@@ -236,6 +238,8 @@ def vlkv_command(model: Path, port: int, kv_mb: float, kv_transport: str = "auto
         "-m",
         "vlkv.tools.cli",
         "serve",
+        "--internal-token",
+        BENCH_SECURITY.internal_token,
         "--model",
         str(model),
         "--port",
@@ -388,8 +392,12 @@ def cluster_workers(address: str) -> tuple[list[str], list[str]]:
     return prefill, decode
 
 
+# The internal token the benchmark's `vlkv serve` runs with (it queries the worker ports directly).
+BENCH_SECURITY = SecurityConfig(internal_token=draw_internal_token())
+
+
 def decode_load(address: str) -> worker_pb2.WorkerLoad:
-    with grpc.insecure_channel(address) as ch:
+    with make_sync_channel(address, BENCH_SECURITY) as ch:
         return worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=30)
 
 
@@ -414,7 +422,7 @@ def probe_capacity(gateway: str, reqs: list, wl: Workloads, label: str, limit: i
     refusal = ""
     t0 = time.perf_counter()
     with (
-        grpc.insecure_channel(prefill[0]) as ch,
+        make_sync_channel(prefill[0], BENCH_SECURITY) as ch,
         Progress(None, f"[bench] capacity {label}", "caches admitted") as bar,
     ):
         stub = worker_pb2_grpc.PrefillWorkerStub(ch)
@@ -452,7 +460,7 @@ def probe_capacity(gateway: str, reqs: list, wl: Workloads, label: str, limit: i
     running: list[int] = []  # the decode worker's running batch, sampled while the held caches decode
 
     async def run_decode() -> None:
-        async with grpc.aio.insecure_channel(decode[0]) as ch:
+        async with make_channel(decode[0], BENCH_SECURITY, 64 << 20) as ch:
             dstub = worker_pb2_grpc.DecodeWorkerStub(ch)
 
             async def one(rid: str) -> None:

@@ -23,6 +23,8 @@ from vlkv.common.compression.registry import (
 )
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput
+from vlkv.common.heap import release_memory
+from vlkv.common.model.image_inputs import ImageInputs
 from vlkv.common.model.inputs import (
     ModalityMap,
     check_placeholders,
@@ -30,7 +32,6 @@ from vlkv.common.model.inputs import (
     input_side,
     prepare_inputs,
     read_headers,
-    release_memory,
 )
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.reuse import REUSE_MODES, ReuseSettings, image_hashes
@@ -50,6 +51,11 @@ TENSOR_DTYPES = {
 }
 _DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
 MAX_MODEL_INPUTS = 8  # tensors beside the ids (pixel_values, image_sizes, ...)
+MAX_TENSOR_DIMS = 8
+MAX_TENSOR_DIM = 1 << 31  # elements along one dimension of a model input
+MAX_REQUEST_ID = 128  # characters of a request id (the caller's at the gateway, the internal one at workers)
+MAX_ADDRESS_CHARS = 256
+MAX_HASH_CHARS = 128
 
 
 @dataclass
@@ -63,8 +69,9 @@ class PreparedRequest:
     sampling: SamplingConfig
     compression: CompressionSettings
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
-    image_hashes: list[str] = field(default_factory=list)  # one per image (image cache key)
+    image_hashes: list[str] = field(default_factory=list)  # one per image: the gateway's digest (routing)
     tenant: str = ""  # the caller (image cache entries are per tenant); "" is the anonymous tenant
+    image_tokens: list[int] = field(default_factory=list)  # per image, as the worker checked (empty: equal)
 
     @property
     def m(self) -> int:
@@ -107,7 +114,8 @@ def prepare_request(
         raise InvalidInput(f"the prompt has {m} tokens, over the limit of {limit}")
     check_context(m, sampling.max_new_tokens, spec.context)
     model_inputs = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
-    hashes = image_hashes(model_inputs.get("pixel_values")) if reuse.enabled else []
+    pixels, sizes = model_inputs.get("pixel_values"), model_inputs.get("image_sizes")
+    hashes = image_hashes(pixels, sizes) if reuse.enabled else []
     return PreparedRequest(
         pb.request_id,
         inputs.input_ids,
@@ -140,41 +148,103 @@ def to_prefill_proto(req: PreparedRequest, decode_address: str) -> worker_pb2.Pr
         vision_spans=spans,
         model_inputs=[tensor_to_proto(k, v) for k, v in req.model_inputs.items()],
         image_hashes=req.image_hashes,
-        tenant=req.tenant,
         reuse=reuse_to_proto(req.reuse),
     )
 
 
-def from_prefill_proto(pb: worker_pb2.PrefillRequest, spec: ModelSpec, limits: Limits) -> PreparedRequest:
-    """The prefill worker's edge: rebuild the gateway's request, checking only that it is well formed."""
-    if not pb.request_id or not pb.decode_address:
-        raise InvalidInput("request_id and decode_address are required")
+def from_prefill_proto(
+    pb: worker_pb2.PrefillRequest, spec: ModelSpec, limits: Limits, images: ImageInputs | None = None
+) -> PreparedRequest:
+    """The prefill worker's edge, and its one validation of what it was sent, before any model code: the
+    ids, the vision spans, the model inputs against the model's processor (``images``: names, dtypes,
+    shapes, byte lengths, image sizes) and the image-token count they produce, the settings. The cheap
+    checks on field sizes come first; tensors are built only once their layout passed. InvalidInput names
+    the field. Without ``images`` (a caller with no processor) a request may carry no model inputs."""
+    _check_ids(pb)
     m = len(pb.input_ids)
     if m == 0:
-        raise InvalidInput("the request has no input ids")
+        raise InvalidInput("input_ids: the request has no input ids")
+    limit = limits.max_prompt_tokens or spec.context
+    if limit and m > limit:
+        raise InvalidInput(f"input_ids: {m} tokens, over the limit of {limit}")
     if spec.vocab_size and max(pb.input_ids) >= spec.vocab_size:
-        raise InvalidInput(f"an input id is outside the vocabulary of {spec.vocab_size}")
+        raise InvalidInput(f"input_ids: an id is outside the vocabulary of {spec.vocab_size}")
+    input_ids = torch.tensor([list(pb.input_ids)], dtype=torch.long)
+    modality = ModalityMap.from_input_ids(input_ids, spec.image_token_id)
     spans = list(pb.vision_spans)
-    pairs = list(zip(spans[::2], spans[1::2], strict=False))
-    if len(spans) % 2 or any(not 0 <= s < e <= m for s, e in pairs):
-        raise InvalidInput("vision_spans must be [start, end) pairs inside the prompt")
-    if len(pb.model_inputs) > MAX_MODEL_INPUTS:
-        raise InvalidInput(f"more than {MAX_MODEL_INPUTS} model inputs")
+    if spans != [i for span in modality.vision_spans for i in span]:
+        raise InvalidInput(
+            "vision_spans: must be the [start, end) runs of image tokens in input_ids, sorted and disjoint"
+        )
+    model_inputs = _model_inputs(pb, images)
+    expected = images.image_tokens(model_inputs) if images is not None else []
+    if sum(expected) != modality.num_vision_tokens:
+        raise InvalidInput(
+            f"input_ids: {modality.num_vision_tokens} image tokens where the pixel values produce {sum(expected)}"
+        )
     sampling = sampling_from_proto(pb.sampling, limits)
     check_context(m, sampling.max_new_tokens, spec.context)
-    if len(pb.image_hashes) > limits.max_images or any(len(h) > 128 for h in pb.image_hashes):
-        raise InvalidInput("malformed image hashes")
+    if len(pb.image_hashes) > limits.max_images or any(len(h) > MAX_HASH_CHARS for h in pb.image_hashes):
+        raise InvalidInput(
+            f"image_hashes: at most {limits.max_images} of at most {MAX_HASH_CHARS} characters"
+        )
     return PreparedRequest(
         request_id=pb.request_id,
-        input_ids=torch.tensor([list(pb.input_ids)], dtype=torch.long),
-        model_inputs={t.name: tensor_from_proto(t) for t in pb.model_inputs},
-        modality=ModalityMap(m=m, vision_spans=pairs),
+        input_ids=input_ids,
+        model_inputs=model_inputs,
+        modality=modality,
         sampling=sampling,
         compression=compression_from_proto(pb.compression),
         reuse=reuse_from_proto(pb.reuse),
-        image_hashes=list(pb.image_hashes),
-        tenant=pb.tenant[:128],
+        image_hashes=list(pb.image_hashes),  # the gateway's digests: a routing hint, never a cache key
+        image_tokens=expected,
     )
+
+
+def _check_ids(pb: worker_pb2.PrefillRequest) -> None:
+    if not pb.request_id or len(pb.request_id) > MAX_REQUEST_ID:
+        raise InvalidInput(f"request_id: required, at most {MAX_REQUEST_ID} characters")
+    if not pb.decode_address or len(pb.decode_address) > MAX_ADDRESS_CHARS:
+        raise InvalidInput(f"decode_address: required, at most {MAX_ADDRESS_CHARS} characters")
+
+
+def _model_inputs(pb: worker_pb2.PrefillRequest, images: ImageInputs | None) -> dict[str, torch.Tensor]:
+    """The model inputs as tensors, once their count, names, dtypes, shapes and byte lengths passed."""
+    if len(pb.model_inputs) > MAX_MODEL_INPUTS:
+        raise InvalidInput(f"model_inputs: more than {MAX_MODEL_INPUTS} tensors")
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for t in pb.model_inputs:
+        if t.name in layout:
+            raise InvalidInput(f"model_inputs[{t.name[:64]}]: sent twice")
+        _check_tensor(t)
+        layout[t.name] = (t.dtype, tuple(t.shape))
+    if images is not None:
+        images.check_layout(layout)
+    elif layout:
+        raise InvalidInput("model_inputs: this worker takes no model inputs")
+    tensors = {t.name: tensor_from_proto(t) for t in pb.model_inputs}
+    pixels = tensors.get("pixel_values")
+    if pixels is not None and not bool(torch.isfinite(pixels).all()):
+        raise InvalidInput("model_inputs[pixel_values]: not all finite")
+    return tensors
+
+
+def _check_tensor(pb: worker_pb2.Tensor) -> None:
+    """A tensor's metadata: a known dtype, a bounded shape and exactly its bytes (nothing built yet)."""
+    name = pb.name[:64]
+    if not pb.name or len(pb.name) > 64:
+        raise InvalidInput(f"model_inputs[{name}]: a name of 1 to 64 characters is required")
+    dtype = TENSOR_DTYPES.get(pb.dtype)
+    if dtype is None:
+        raise InvalidInput(f"model_inputs[{name}]: unsupported dtype {pb.dtype[:32]!r}")
+    if len(pb.shape) > MAX_TENSOR_DIMS or any(d > MAX_TENSOR_DIM for d in pb.shape):
+        raise InvalidInput(
+            f"model_inputs[{name}]: at most {MAX_TENSOR_DIMS} dimensions of at most {MAX_TENSOR_DIM} each"
+        )
+    if math.prod(pb.shape) * dtype.itemsize != len(pb.data):
+        raise InvalidInput(
+            f"model_inputs[{name}]: {len(pb.data)} bytes do not hold {list(pb.shape)} {pb.dtype}"
+        )
 
 
 def tensor_to_proto(name: str, t: torch.Tensor) -> worker_pb2.Tensor:
@@ -187,15 +257,9 @@ def tensor_to_proto(name: str, t: torch.Tensor) -> worker_pb2.Tensor:
 
 def tensor_from_proto(pb: worker_pb2.Tensor) -> torch.Tensor:
     """Raw bytes viewed as the announced dtype and shape (never unpickled); InvalidInput if they disagree."""
-    dtype = TENSOR_DTYPES.get(pb.dtype)
-    if dtype is None or not pb.name:
-        raise InvalidInput(f"model input {pb.name!r}: unsupported dtype {pb.dtype!r}")
-    count = math.prod(pb.shape)
-    if len(pb.shape) > 8 or count * dtype.itemsize != len(pb.data):
-        raise InvalidInput(
-            f"model input {pb.name!r}: {len(pb.data)} bytes do not hold {list(pb.shape)} {pb.dtype}"
-        )
-    if count == 0:
+    _check_tensor(pb)
+    dtype = TENSOR_DTYPES[pb.dtype]
+    if math.prod(pb.shape) == 0:
         return torch.empty(tuple(pb.shape), dtype=dtype)
     return torch.frombuffer(bytearray(pb.data), dtype=dtype).reshape(tuple(pb.shape))
 

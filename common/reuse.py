@@ -22,6 +22,8 @@ import torch
 REUSE_MODES = ("vlcache", "mpic", "none")
 DEFAULT_RECOMPUTE_RATIO = 0.05
 ANONYMOUS = "anonymous"  # the tenant of callers without an API token
+TENANT_KEY = "vlkv-tenant"  # metadata key of the caller's tenant on the gateway's Prefill calls
+MAX_TENANT_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,16 +39,20 @@ class ReuseSettings:
             raise ValueError(f"reuse recompute ratio must be in [0, 1], got {self.ratio}")
 
 
-def image_hashes(pixel_values: torch.Tensor | None) -> list[str]:
-    """One digest per image of the processor's pixel values (``[images, ...]``): what the image cache is keyed
-    on, computed once per request at the gateway (the prefill worker takes it from the request)."""
+def image_hashes(pixel_values: torch.Tensor | None, image_sizes: torch.Tensor | None = None) -> list[str]:
+    """One digest per image of the processor's pixel values (``[images, ...]``) and, where the model takes
+    them (LLaVA-NeXT), its ``image_sizes`` row: what the image's features are computed from. The prefill
+    worker keys its image cache on the digest it computes from the pixels it runs; the gateway's (of the
+    same tensors) only routes a request to the worker likely to hold its images."""
     if pixel_values is None:
         return []
     out = []
-    for img in pixel_values:
+    for i, img in enumerate(pixel_values):
         t = img.detach().cpu().contiguous()
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{t.dtype}:{tuple(t.shape)}|".encode())
+        if image_sizes is not None:
+            h.update(f"{[int(v) for v in image_sizes[i].tolist()]}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         out.append(h.hexdigest())
     return out

@@ -17,6 +17,8 @@ from vlkv.common.errors import ConfigError
 from vlkv.common.grpc_server import Server
 from vlkv.common.handoff.grpc_transport import tune_malloc
 from vlkv.common.handoff.transport import nixl_agent_for
+from vlkv.common.heap import HeapTrimmer
+from vlkv.common.model.image_inputs import ImageInputs
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.security import BearerTokenInterceptor
@@ -42,6 +44,7 @@ class Running:
     servicer: object
     grace_s: float
     admin: object = None
+    trimmer: HeapTrimmer | None = None
 
     @property
     def address(self) -> str:
@@ -63,15 +66,20 @@ class Running:
         close = getattr(getattr(self.servicer, "router", None), "close", None)
         if close is not None:
             await close()
+        if self.trimmer is not None:
+            await self.trimmer.stop()
 
 
-def _load_worker(cfg: ServerConfig, model, tokenizer):
-    """The model (loaded unless given), its tokenizer and its ModelSpec, once per worker process."""
+def _load_worker(cfg: ServerConfig, model, processor=None, tokenizer=None):
+    """The model (loaded unless given), its processor (loaded unless given; None when only a ``tokenizer``
+    was given), its tokenizer and its ModelSpec, once per worker process."""
     tune_malloc()  # MiB-sized KV chunk buffers stay on the heap (see grpc_transport.tune_malloc)
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
-    tokenizer = tokenizer if tokenizer is not None else load_processor(cfg.model.path).tokenizer
-    return model, tokenizer, ModelSpec.from_model(model, tokenizer)
+    if processor is None and tokenizer is None:
+        processor = load_processor(cfg.model.path)
+    tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
+    return model, processor, tokenizer, ModelSpec.from_model(model, tokenizer)
 
 
 def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
@@ -92,19 +100,21 @@ def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
 
 
 async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
-    model, _, spec = _load_worker(cfg, model, processor.tokenizer if processor is not None else None)
+    model, processor, _, spec = _load_worker(cfg, model, processor)
     nixl = nixl_agent_for("prefill", cfg.transfer.kv_transport, cfg.security.tls)
-    servicer = PrefillServicer(model, spec, cfg.prefill(), nixl=nixl)
+    limits = cfg.limits
+    images = ImageInputs.from_processor(processor, model.config, limits.max_images, limits.max_image_pixels)
+    servicer = PrefillServicer(model, spec, cfg.prefill(), nixl=nixl, images=images)
     server = _worker_server(cfg, port, "PrefillWorker")
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address
     await server.start()
     log.info("prefill worker serving on %s", server.address)
-    return Running(server, servicer, cfg.grace_s)
+    return Running(server, servicer, cfg.grace_s, trimmer=_start_trimmer())
 
 
 async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, tokenizer=None) -> Running:
-    model, tokenizer, spec = _load_worker(cfg, model, tokenizer)
+    model, _, tokenizer, spec = _load_worker(cfg, model, tokenizer=tokenizer)
     nixl = nixl_agent_for("decode", cfg.transfer.kv_transport, cfg.security.tls)
     servicer = DecodeServicer(model, tokenizer, spec, cfg.decode(), nixl=nixl)
     server = _worker_server(cfg, port, "DecodeWorker")
@@ -114,7 +124,14 @@ async def start_decode_worker(cfg: ServerConfig, port: int = 0, model=None, toke
     await servicer.start()
     await server.start()
     log.info("decode worker serving on %s (%d KV blocks)", server.address, servicer.pool.num_blocks)
-    return Running(server, servicer, cfg.grace_s)
+    return Running(server, servicer, cfg.grace_s, trimmer=_start_trimmer())
+
+
+def _start_trimmer() -> HeapTrimmer:
+    """A worker's background heap trimmer (``common.heap``): what a large request freed goes back to the OS."""
+    trimmer = HeapTrimmer()
+    trimmer.start()
+    return trimmer
 
 
 async def start_gateway(

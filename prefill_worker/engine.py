@@ -71,6 +71,11 @@ class PrefillEngine:
         self.image_cache = image_cache
         self.reuser = ImageReuser(model, spec, image_cache) if image_cache is not None else None
 
+    @property
+    def hint_mismatches(self) -> int:
+        """Requests whose ``image_hashes`` were not the digests of their pixel values (``ImageReuser``)."""
+        return self.reuser.hint_mismatches if self.reuser is not None else 0
+
     @torch.inference_mode()
     def forward(self, req: PreparedRequest, observer=None) -> tuple[torch.Tensor, list, list]:
         """The whole prompt through the model: last-position logits ``[vocab]`` (fp32) and every layer's

@@ -1,7 +1,7 @@
 """The prefill forward through the image cache: reuse an image's K/V on a hit, fill the cache on a miss.
 
-``ImageReuser.forward`` looks up every image of the request (key: model fingerprint, the gateway's image
-hash, the caller's tenant). When all of them hit, the vision tower is skipped and ``reuse_forward`` runs
+``ImageReuser.forward`` looks up every image of the request (key: model fingerprint, the digest this worker
+computes of the image's pixel values, the caller's tenant). When all of them hit, the vision tower is skipped and ``reuse_forward`` runs
 with each image placed at its position in this prompt (keys rotated) and a share of its earliest tokens
 recomputed per layer (``reuse_schedule.layer_ratios``: the request's mode and ratio); an image whose prefix
 (ids and images before and including it) is exactly the one it was computed under recomputes nothing. When
@@ -68,27 +68,41 @@ class ImageReuser:
             path = getattr(model, "name_or_path", "") or ""
             calibration = load_calibration(path, spec.fingerprint, spec.num_layers) if path else None
         self.calibration = calibration
+        self.hint_mismatches = 0  # requests whose image_hashes were not the digests of their pixel values
 
     @property
     def active(self) -> bool:
         return self.cache.enabled and not self.unsupported
 
     def images_of(self, req: PreparedRequest) -> list[_Image]:
-        """Where each image's tokens sit (llava: one contiguous run of equal length per image)."""
+        """Where each image's tokens sit (one contiguous run per image, of ``req.image_tokens`` tokens, equal
+        shares without them) and its cache key: the digest of the pixel values this worker runs, never the
+        request's own ``image_hashes`` (the gateway's hint, compared here: a mismatch is logged and counted)."""
         pixels = req.model_inputs.get("pixel_values")
         if pixels is None or pixels.shape[0] == 0:
             return []
-        hashes = req.image_hashes or image_hashes(pixels)
+        hashes = image_hashes(pixels, req.model_inputs.get("image_sizes"))
+        if req.image_hashes and req.image_hashes != hashes:
+            self.hint_mismatches += 1
+            log.warning(
+                "request %s: the image hashes it names are not those of its pixel values (%d so far); keyed on "
+                "the pixel values",
+                req.request_id,
+                self.hint_mismatches,
+            )
         ids = req.input_ids.reshape(-1)
         where = (ids == self.spec.image_token_id).nonzero().flatten()
         count = len(hashes)
-        if count != pixels.shape[0] or where.numel() % count:
-            raise InvalidInput("the image hashes or image tokens do not match the images")
-        n = where.numel() // count
+        counts = list(req.image_tokens) or (
+            [where.numel() // count] * count if where.numel() % count == 0 else []
+        )
+        if len(counts) != count or sum(counts) != where.numel():
+            raise InvalidInput("the image tokens do not match the images")
         tenant = req.tenant or ANONYMOUS
-        out = []
-        for i in range(count):
-            pos = where[i * n : (i + 1) * n]
+        out, first = [], 0
+        for i, n in enumerate(counts):
+            pos = where[first : first + n]
+            first += n
             start = int(pos[0])
             if int(pos[-1]) - start != n - 1:
                 raise InvalidInput("an image's tokens are not contiguous")

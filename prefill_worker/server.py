@@ -1,7 +1,10 @@
 """The prefill worker's gRPC service: prefill, compress, hand the compact cache to a decode worker.
 
 The request arrives as the gateway prepared it (input ids, pixel values, validated settings) and is parsed
-once here (``request.from_prefill_proto``); the processor never runs on this worker. Prefills run one at a
+and checked once here (``request.from_prefill_proto``, against the model's processor: ``ImageInputs``)
+before any model code; the processor never runs on this worker, and nothing the request names is trusted:
+the image cache is keyed on the digest of the pixel values run here, the tenant comes from the call's
+authenticated metadata (``caller_tenant``). Prefills run one at a
 time in a worker thread (the forward is compute-bound and uses all torch threads); queued requests wait on
 the event loop, which keeps answering health checks and load queries. The cache goes to the decode worker
 named in the request, if that worker is registered (``peers.DecodePeers``), through the sender the peer
@@ -20,14 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from vlkv.common import logs
 from vlkv.common.config import PrefillConfig
-from vlkv.common.errors import Refusal, VlkvError
+from vlkv.common.errors import InvalidInput, Refusal, VlkvError
 from vlkv.common.grpc_server import abort_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
 from vlkv.common.handoff.quantize import quantize_compact
 from vlkv.common.handoff.wire import KVWireError, compact_header
 from vlkv.common.load_stream import LoadStream
+from vlkv.common.model.image_inputs import ImageInputs
 from vlkv.common.model.spec import ModelSpec
-from vlkv.common.request import from_prefill_proto
+from vlkv.common.request import MAX_REQUEST_ID, from_prefill_proto
+from vlkv.common.reuse import ANONYMOUS, MAX_TENANT_CHARS, TENANT_KEY
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.peers import DecodePeers
@@ -37,9 +42,19 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, model, spec: ModelSpec, cfg: PrefillConfig, nixl: NixlAgent | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        spec: ModelSpec,
+        cfg: PrefillConfig,
+        nixl: NixlAgent | None = None,
+        images: ImageInputs | None = None,
+    ) -> None:
+        """``images``: what the model's processor produces (every request's model inputs are checked
+        against it); None: this worker takes text-only requests."""
         self.cfg = cfg
         self.spec = spec
+        self.images = images
         self.image_cache = ImageCache(cfg.image_cache_mb << 20)
         self.engine = PrefillEngine(model, spec, self.image_cache)
         self.address = ""
@@ -61,9 +76,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     @abort_on_error
     async def Prefill(self, request, context):
-        logs.request_id.set(request.request_id)
+        logs.request_id.set(request.request_id[:MAX_REQUEST_ID])
         self.peers.channel(request.decode_address)  # PERMISSION_DENIED before any work if not registered
-        req = from_prefill_proto(request, self.spec, self.cfg.limits)  # this process's one parse of it
+        # This process's one parse and validation of it, before any model code.
+        req = from_prefill_proto(request, self.spec, self.cfg.limits, self.images)
+        req.tenant = caller_tenant(context)
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
@@ -124,7 +141,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             waiting=max(0, self.waiting - self.running),
             draining=self.draining,
             model_fingerprint=self.spec.fingerprint,
-            image_cache=cache_stats_proto(self.image_cache),
+            image_cache=cache_stats_proto(self.image_cache, self.engine.hint_mismatches),
         )
 
     async def GetLoad(self, request, context):
@@ -151,7 +168,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             yield report
 
 
-def cache_stats_proto(cache: ImageCache) -> worker_pb2.ImageCacheStats:
+def cache_stats_proto(cache: ImageCache, hint_mismatches: int = 0) -> worker_pb2.ImageCacheStats:
     s = cache.stats()
     return worker_pb2.ImageCacheStats(
         entries=s.entries,
@@ -160,4 +177,18 @@ def cache_stats_proto(cache: ImageCache) -> worker_pb2.ImageCacheStats:
         hits=s.hits,
         misses=s.misses,
         evictions=s.evictions,
+        hint_mismatches=hint_mismatches,
     )
+
+
+def caller_tenant(context) -> str:
+    """The image cache's tenant of a call: the one its authenticated caller (the gateway, holding the
+    internal token or a client certificate) names in the call's metadata, beside its credentials; never a
+    field of the request message. Anonymous if none is named."""
+    named = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_KEY:
+            named = value if isinstance(value, str) else ""
+    if len(named) > MAX_TENANT_CHARS or not named.isprintable():
+        raise InvalidInput(f"metadata {TENANT_KEY}: at most {MAX_TENANT_CHARS} printable characters")
+    return named or ANONYMOUS

@@ -32,14 +32,13 @@ from vlkv.common.config import GatewayConfig
 from vlkv.common.errors import InvalidInput, Refusal, ResourceExhausted, VlkvError, refusal_of
 from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.model.spec import ModelSpec
-from vlkv.common.request import PreparedRequest, prepare_request, to_prefill_proto
-from vlkv.common.reuse import ANONYMOUS, tenant_of
+from vlkv.common.request import MAX_REQUEST_ID, PreparedRequest, prepare_request, to_prefill_proto
+from vlkv.common.reuse import ANONYMOUS, TENANT_KEY, tenant_of
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.router import DecodeSlot, Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
-MAX_REQUEST_ID = 128
 # A decode worker that refuses a cache for room (another gateway took it first, or the load was stale): the
 # request waits in the admission queue again (and is prefilled again) until its admission wait is spent.
 PREPARE_THREADS = 4  # requests validated at once (image decoding, processor); the rest wait their turn
@@ -110,22 +109,26 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             ),
         )
 
-    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillReply:
-        """Run the prefill; a worker that is gone (UNAVAILABLE) gets one retry on another worker."""
+    async def _prefill(self, request: worker_pb2.PrefillRequest, tenant: str) -> worker_pb2.PrefillReply:
+        """Run the prefill; a worker that is gone (UNAVAILABLE) gets one retry on another worker. The
+        caller's ``tenant`` travels in the call's metadata (``TENANT_KEY``), beside the internal token."""
         tried: set[str] = set()
         images = tuple(request.image_hashes)
+        metadata = ((TENANT_KEY, tenant),)
         while True:
-            worker = self.router.pick_prefill(exclude=tried, images=images, tenant=request.tenant)
+            worker = self.router.pick_prefill(exclude=tried, images=images, tenant=tenant)
             tried.add(worker.address)
             worker.in_flight += 1
             try:
-                reply = await worker.stub.Prefill(request, timeout=self.cfg.transfer.deadline_s * 2)
+                reply = await worker.stub.Prefill(
+                    request, timeout=self.cfg.transfer.deadline_s * 2, metadata=metadata
+                )
                 self.metrics.prefill.observe(reply.prefill_ms / 1000)
                 self.metrics.hand_off.observe(reply.transfer_ms / 1000)
                 if images:
                     self.metrics.image_cache.labels("hit" if reply.image_cache_hit else "miss").inc()
                     if request.reuse.reuse != "off":
-                        self.router.note_images(worker.address, images, request.tenant)
+                        self.router.note_images(worker.address, images, tenant)
                 return reply
             except grpc.aio.AioRpcError as exc:
                 retry = (
@@ -219,7 +222,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             prefill_req.decode_address = slot.worker.address
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
             try:
-                async for resp in self._run(prefill_req, slot, start, caller_id, front):
+                async for resp in self._run(
+                    prefill_req, slot, start, caller_id, front, req.tenant or ANONYMOUS
+                ):
                     yield resp
                 return
             except _NoRoom as exc:  # the load it was picked on is stale; the worker's exact count disagreed
@@ -237,6 +242,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         start: float,
         caller_id: str,
         front: str,
+        tenant: str = ANONYMOUS,
     ):
         """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there;
         responses carry the caller's id."""
@@ -246,7 +252,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             worker_pb2.DecodeRequest(request_id=prefill_req.request_id, wait_ms=int(deadline * 3000))
         )
         decode.in_flight += 1
-        prefill_task = asyncio.ensure_future(self._prefill(prefill_req))
+        prefill_task = asyncio.ensure_future(self._prefill(prefill_req, tenant))
         prefill_task.add_done_callback(lambda t: slot.release())  # the worker's load shows the cache now
         prefill_task.add_done_callback(
             lambda t: t.cancelled() or t.exception() is None or decode_call.cancel()

@@ -11,8 +11,10 @@ import io
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from transformers import AutoConfig
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput, Refusal, refusal_metadata, refusal_of
+from vlkv.common.model.image_inputs import ImageInputs
 from vlkv.common.model.inputs import decode_images, input_side, read_headers
 from vlkv.common.model.loading import load_processor
 from vlkv.common.model.spec import ModelSpec
@@ -35,20 +37,21 @@ def setup(tiny_model_dirs):
     path = tiny_model_dirs("llava-gqa")
     processor = load_processor(path)
     spec = ModelSpec.from_checkpoint(path, torch.float32, processor.tokenizer)
-    return processor, spec
+    images = ImageInputs.from_processor(processor, AutoConfig.from_pretrained(path), 8, 40_000_000)
+    return processor, spec, images
 
 
 def _prepared(setup, **kw):
-    processor, spec = setup
+    processor, spec, _ = setup
     req = build_request(images=[random_png(3)], question="what colour is the square ?", **kw)
     return prepare_request(req, processor, spec, Limits(), default_seed=123)
 
 
 def test_prefill_proto_round_trip_is_exact(setup):
-    _, spec = setup
+    _, spec, images = setup
     req = _prepared(setup, max_new_tokens=5)
     req.request_id = "r1"
-    back = from_prefill_proto(to_prefill_proto(req, "127.0.0.1:1"), spec, Limits())
+    back = from_prefill_proto(to_prefill_proto(req, "127.0.0.1:1"), spec, Limits(), images)
     assert torch.equal(back.input_ids, req.input_ids)
     assert back.modality == req.modality and back.modality.tau == req.modality.tau
     assert set(back.model_inputs) == set(req.model_inputs)
@@ -95,12 +98,12 @@ def _bad(pb, field, value):
     ],
 )
 def test_malformed_prefill_request_is_invalid_input(setup, field, value, message):
-    _, spec = setup
+    _, spec, images = setup
     req = _prepared(setup)
     req.request_id = "r1"
     pb = _bad(to_prefill_proto(req, "127.0.0.1:1"), field, value)
     with pytest.raises(InvalidInput, match=message):
-        from_prefill_proto(pb, spec, Limits())
+        from_prefill_proto(pb, spec, Limits(), images)
 
 
 class _FakeError:
@@ -157,7 +160,7 @@ def test_the_pixel_limit_per_request_is_read_from_headers_before_decoding(monkey
 
 
 def test_prompt_bytes_are_checked_before_rendering_or_tokenizing(setup, monkeypatch):
-    processor, spec = setup
+    processor, spec, _ = setup
     monkeypatch.setattr(type(processor.tokenizer), "__call__", lambda *a, **k: pytest.fail("tokenized"))
     for req in (build_request(prompt="é" * 600), build_request(question="é" * 600)):
         with pytest.raises(InvalidInput, match="the prompt has 1200 bytes, over the limit of 1000 bytes"):
@@ -165,7 +168,7 @@ def test_prompt_bytes_are_checked_before_rendering_or_tokenizing(setup, monkeypa
 
 
 def test_default_prompt_byte_limit_follows_the_context(setup):
-    processor, spec = setup
+    processor, spec, _ = setup
     limit = 32 * spec.context
     with pytest.raises(InvalidInput, match=f"over the limit of {limit} bytes"):
         prepare_request(build_request(prompt="a" * (limit + 1)), processor, spec, Limits(), default_seed=0)

@@ -7,8 +7,6 @@ tau = m.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import io
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -166,25 +164,6 @@ def input_side(processor) -> int:
 
 
 _SIDE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width")
-
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc ``malloc_trim``): decoded images are large, short-lived
-    allocations that glibc otherwise keeps in the process after a large request."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-def _load_libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
 
 
 def count_placeholders(text: str, processor) -> int:

@@ -29,7 +29,7 @@ REFUSAL_SUPERSEDED: Refusal
 REFUSAL_TRANSPORT_UNAVAILABLE: Refusal
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "sampling", "compression", "decode_address", "input_ids", "vision_spans", "model_inputs", "image_hashes", "tenant", "reuse")
+    __slots__ = ("request_id", "sampling", "compression", "decode_address", "input_ids", "vision_spans", "model_inputs", "image_hashes", "reuse")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
@@ -38,7 +38,6 @@ class PrefillRequest(_message.Message):
     VISION_SPANS_FIELD_NUMBER: _ClassVar[int]
     MODEL_INPUTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
-    TENANT_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: _generate_pb2.SamplingParams
@@ -48,9 +47,8 @@ class PrefillRequest(_message.Message):
     vision_spans: _containers.RepeatedScalarFieldContainer[int]
     model_inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     image_hashes: _containers.RepeatedScalarFieldContainer[str]
-    tenant: str
     reuse: _generate_pb2.ReuseParams
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., vision_spans: _Optional[_Iterable[int]] = ..., model_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., image_hashes: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., reuse: _Optional[_Union[_generate_pb2.ReuseParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_generate_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., vision_spans: _Optional[_Iterable[int]] = ..., model_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., image_hashes: _Optional[_Iterable[str]] = ..., reuse: _Optional[_Union[_generate_pb2.ReuseParams, _Mapping]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -165,20 +163,22 @@ class ImageDigest(_message.Message):
     def __init__(self, image_hash: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ImageCacheStats(_message.Message):
-    __slots__ = ("entries", "bytes_held", "capacity_bytes", "hits", "misses", "evictions")
+    __slots__ = ("entries", "bytes_held", "capacity_bytes", "hits", "misses", "evictions", "hint_mismatches")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HINT_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes_held: int
     capacity_bytes: int
     hits: int
     misses: int
     evictions: int
-    def __init__(self, entries: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    hint_mismatches: int
+    def __init__(self, entries: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., hint_mismatches: _Optional[int] = ...) -> None: ...
 
 class NixlTransferRequest(_message.Message):
     __slots__ = ("open", "done")

@@ -114,14 +114,20 @@ def make_sync_channel(address: str, security, max_message_bytes: int = 64 << 20)
 
 
 def abort_on_error(method):
-    """Turn a VlkvError raised by a unary handler into the call's gRPC status."""
+    """Turn a VlkvError raised by a unary handler into the call's gRPC status.
+
+    The abort is raised outside the ``except`` block, with no reference to the request left in this frame:
+    gRPC keeps the abort's traceback for a while, and a traceback that reached the handler's frames would
+    keep a large refused request (tens of MB) alive with it."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
         except VlkvError as exc:
-            await abort_with(context, exc.code, exc.message, exc.reason)
+            error = (exc.code, exc.message, exc.reason)
+        request = None  # noqa: F841 - drop this frame's reference before the abort's traceback takes it
+        await abort_with(context, *error)
 
     return wrapper
 

@@ -4,9 +4,9 @@ Workers keep MiB-sized buffers on the glibc heap on purpose (``grpc_transport.tu
 and trim thresholds, so KV chunks are not mmapped and unmapped one by one), which also means glibc keeps
 what a large request freed: a 60 MB message, its copies and the tensors built from it stay in the process
 after the request is gone, and grow with each further one. ``release_memory`` hands every arena's free pages
-back now; ``HeapTrimmer`` (one per worker process) does it in the background whenever the heap's free bytes
-(``mallinfo2``, all arenas) grew by ``min_free_bytes`` since the last trim, off the event loop. Elsewhere than
-glibc both do nothing.
+back now; ``HeapTrimmer`` (one per worker process) does it in the background, off the event loop, whenever
+the heap's free bytes (``mallinfo2``, all arenas) grew by ``min_free_bytes`` since the last trim, after a
+garbage collection where the bytes held grew as much. Elsewhere than glibc both do nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 
 log = logging.getLogger(__name__)
@@ -53,27 +54,43 @@ def release_memory() -> None:
         _libc.malloc_trim(0)
 
 
-def free_heap_bytes() -> int | None:
-    """Bytes free inside the heap, all arenas (``mallinfo2().fordblks``); None where it cannot be read."""
+def heap_bytes() -> tuple[int, int] | None:
+    """``(held, free)``: bytes the allocator holds for the program (heap and mmapped chunks, all arenas) and
+    bytes free inside the heap (``mallinfo2``); None where they cannot be read."""
     if not _has_mallinfo2:
         return None
-    return int(_libc.mallinfo2().fordblks)
+    m = _libc.mallinfo2()
+    return int(m.uordblks + m.hblkhd), int(m.fordblks)
 
 
 class HeapTrimmer:
-    """Trims the heap in the background once ``min_free_bytes`` more than after the last trim are free."""
+    """Every ``interval_s``, in a worker thread: once the bytes the allocator holds or the heap's free bytes
+    grew by ``min_free_bytes`` over what the last trim left, and then held still for a check (a burst of
+    large requests is over), or after ``max_wait_checks`` checks regardless: collect garbage, then trim.
+
+    The collection matters: a refused request's message (tens of MB) can sit in a reference cycle (its
+    exception's traceback) until the next full collection, which a worker allocating few Python objects may
+    not run for a long time; the trim gives back the free pages. Waiting for the values to settle keeps
+    the collections (tens of ms each) out of a busy stretch and catches the last request's garbage too."""
 
     def __init__(
-        self, interval_s: float = TRIM_INTERVAL_S, min_free_bytes: int = TRIM_MIN_FREE_BYTES
+        self,
+        interval_s: float = TRIM_INTERVAL_S,
+        min_free_bytes: int = TRIM_MIN_FREE_BYTES,
+        max_wait_checks: int = 10,
     ) -> None:
         self.interval_s = interval_s
         self.min_free_bytes = min_free_bytes
+        self.max_wait_checks = max_wait_checks
         self.trims = 0
-        self._baseline = 0  # free bytes right after the last trim (what trimming cannot give back)
+        self._base: tuple[int, int] | None = None  # (held, free) right after the last trim
+        self._prev: tuple[int, int] | None = None  # at the previous check
+        self._waited = 0  # checks since growth was first seen (0: none seen)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        if self._task is None and free_heap_bytes() is not None:
+        if self._task is None and heap_bytes() is not None:
+            self._base = self._prev = heap_bytes()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="vlkv-heap-trimmer")
 
     async def stop(self) -> None:
@@ -85,14 +102,38 @@ class HeapTrimmer:
                 pass
             self._task = None
 
+    def check(self) -> bool:
+        """One check (synchronous; the background task runs it off the event loop). True if it trimmed."""
+        now = heap_bytes()
+        grew = any(n - b >= self.min_free_bytes for n, b in zip(now, self._base, strict=True))
+        settled = all(abs(n - p) < self.min_free_bytes // 4 for n, p in zip(now, self._prev, strict=True))
+        self._prev = now
+        if not grew:
+            self._waited = 0
+            return False
+        self._waited += 1
+        if not settled and self._waited < self.max_wait_checks:
+            return False
+        gc.collect()
+        release_memory()
+        self.trims += 1
+        self._base = self._prev = heap_bytes()
+        self._waited = 0
+        mib = 1 << 20
+        log.info(
+            "heap trimmed: held %d -> %d MiB, free %d -> %d MiB",
+            now[0] // mib,
+            self._base[0] // mib,
+            now[1] // mib,
+            self._base[1] // mib,
+        )
+        return True
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                if free_heap_bytes() - self._baseline >= self.min_free_bytes:
-                    await loop.run_in_executor(None, release_memory)
-                    self._baseline = free_heap_bytes()
-                    self.trims += 1
+                await loop.run_in_executor(None, self.check)
             except Exception:  # noqa: BLE001 - memory bookkeeping must never take the worker down
                 log.exception("heap trim failed")

@@ -32,6 +32,7 @@ from vlkv.services.router import Router
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+WORKER_TRIM_THRESHOLD = 32 << 20
 
 
 def _service_name(pb2, name: str) -> str:
@@ -73,7 +74,9 @@ class Running:
 def _load_worker(cfg: ServerConfig, model, processor=None, tokenizer=None):
     """The model (loaded unless given), its processor (loaded unless given; None when only a ``tokenizer``
     was given), its tokenizer and its ModelSpec, once per worker process."""
-    tune_malloc()  # MiB-sized KV chunk buffers stay on the heap (see grpc_transport.tune_malloc)
+    # MiB-sized KV chunk buffers stay on the heap (see grpc_transport.tune_malloc); a thread's arena gives
+    # back a free top over WORKER_TRIM_THRESHOLD when it shrinks (malloc_trim never trims those tops).
+    tune_malloc(trim_threshold=WORKER_TRIM_THRESHOLD)
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     if processor is None and tokenizer is None:

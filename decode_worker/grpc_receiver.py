@@ -217,6 +217,10 @@ class GrpcKVReceiver:
             return worker_pb2.TransferAck(bytes_received=reader.bytes_received, blocks_allocated=held)
         except KVWireError as exc:
             reader.abort()
+            # gRPC keeps the abort's traceback (this frame, and the error's own frames as its context) for a
+            # while: neither may hold the refused chunk (tens of MB)
+            chunk = None  # noqa: F841
+            exc.__traceback__ = None
             if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                 await adm.drain(it, deadline)
             await abort_with(context, exc.code, str(exc), exc.reason)

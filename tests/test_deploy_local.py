@@ -68,7 +68,7 @@ def test_workers_are_separate_processes_and_pools_return(cluster):
     pids = ray.get([r.actor.__ray_call__.remote(lambda self: os.getpid()) for r in c.autoscaler.replicas])
     assert len(set(pids)) == 2 and os.getpid() not in pids
     decode = [r.address for r in c.autoscaler.replicas if r.kind == "decode"]
-    with make_sync_channel(decode[0], cluster.cfg.security) as ch:
+    with make_sync_channel(decode[0], c.cfg.security) as ch:
         load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
     assert load.free_blocks == load.total_blocks > 0
     assert load.running == 0

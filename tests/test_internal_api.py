@@ -67,14 +67,16 @@ def _prepared(cluster, images: list[bytes], question: str = Q, max_new_tokens: i
     return req
 
 
-def _claim(cluster, rid: str) -> list[int]:
-    """The tokens of a cache handed to the decode worker (claiming it frees its blocks when done)."""
+def _claim(cluster, rid: str, usage: list | None = None) -> list[int]:
+    """The tokens of a cache handed to the decode worker (claiming it frees its blocks when done); its
+    final usage is appended to ``usage`` if given."""
     tokens = []
-    for resp in cluster.decode_stub.Decode(
-        worker_pb2.DecodeRequest(request_id=rid, wait_ms=30_000), timeout=60
-    ):
+    request = worker_pb2.DecodeRequest(request_id=rid, wait_ms=30_000)
+    for resp in cluster.decode_stub.Decode(request, timeout=60):
         if resp.HasField("token"):
             tokens.extend(resp.token.token_ids)
+        elif usage is not None:
+            usage.append(resp.finished.usage)
     return tokens
 
 
@@ -317,3 +319,160 @@ def test_fuzz_every_prefill_request_field(cluster, bases):
     assert load.running == load.waiting == 0
     assert cluster.pool.num_free == free  # every accepted cache was claimed and freed, none leaked
     assert _ask(cluster, random_png(3)).finished is not None  # and the workers still serve
+
+
+# -- TransferKV: every field of the wire stream -----------------------------------------------------------
+# What a TransferKV call may end with: a malformed or inconsistent stream (INVALID_ARGUMENT), bytes that do not
+# match their checksum or count (DATA_LOSS), another model or layout (FAILED_PRECONDITION), no room
+# (RESOURCE_EXHAUSTED), a request id already held (ALREADY_EXISTS), a newer transfer of it (ABORTED), a
+# stream that stalls (DEADLINE_EXCEEDED).
+TRANSFER_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+U64 = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 4096, 2**32]))
+
+
+def _break_stream(data, chunks: list) -> str:
+    """Break one thing of a TransferKV stream (a header field, a data chunk, the trailer, the order)."""
+    draw = data.draw
+    headers = [c for c in chunks if c.WhichOneof("part") == "header"]
+    datas = [c for c in chunks if c.WhichOneof("part") == "data"]
+    trailers = [c for c in chunks if c.WhichOneof("part") == "trailer"]
+    kind = draw(st.sampled_from(["header", "header", "data", "data", "trailer", "order"]))
+    if kind == "header" and headers:
+        h = headers[0].header
+        name = draw(
+            st.sampled_from(
+                [
+                    "format_version",
+                    "request_id",
+                    "model_fingerprint",
+                    "dtype",
+                    "num_layers",
+                    "num_kv_heads",
+                    "head_dim",
+                    "layer_lengths",
+                    "prompt_length",
+                    "first_token_id",
+                    "sampling",
+                    "eos_token_ids",
+                    "prompt_tokens",
+                    "vision_tokens",
+                    "policy",
+                    "kv_dtype",
+                    "prompt_scores",
+                ]
+            )
+        )
+        if name in ("request_id", "model_fingerprint", "policy"):
+            setattr(h, name, draw(TEXT))
+        elif name in ("dtype", "kv_dtype"):
+            setattr(
+                h, name, draw(st.sampled_from(["float32", "float16", "bfloat16", "int8", "fp8", "", "x"]))
+            )
+        elif name in ("layer_lengths", "eos_token_ids"):
+            field = getattr(h, name)
+            new = draw(st.lists(U32, max_size=6)) if draw(st.booleans()) else [*field, draw(U32)]
+            del field[:]
+            field.extend(new)
+        elif name == "sampling":
+            s = h.sampling
+            s.max_new_tokens = draw(st.sampled_from([0, 1, 1025, 2**32 - 1]))
+            s.temperature = draw(FLOATS)
+            s.top_p = draw(FLOATS)
+            s.top_k = draw(U32)
+        elif name == "prompt_scores":
+            del h.prompt_scores[:]
+            h.prompt_scores.extend(draw(st.lists(st.binary(max_size=64), max_size=5)))
+        else:
+            setattr(h, name, draw(U32))
+        return f"header.{name}"
+    if kind == "data" and datas:
+        d = datas[draw(st.integers(0, len(datas) - 1))].data
+        name = draw(st.sampled_from(["layer", "tensor", "offset", "data", "crc32c"]))
+        if name == "layer":
+            d.layer = draw(U32)
+        elif name == "tensor":
+            d.tensor = draw(st.integers(0, 7))
+        elif name == "offset":
+            d.offset = draw(U64)
+        elif name == "data":
+            d.data = d.data[: draw(st.integers(0, len(d.data)))] + draw(st.binary(max_size=16))
+        else:
+            d.crc32c = draw(st.integers(0, 2**32 - 1))
+        return f"data.{name}"
+    if kind == "trailer" and trailers:
+        t = trailers[0].trailer
+        if draw(st.booleans()):
+            t.num_chunks = draw(U32)
+        else:
+            t.total_bytes = draw(U64)
+        return "trailer"
+    op = draw(st.sampled_from(["drop", "duplicate", "swap", "empty"]))
+    if op == "empty":
+        chunks.clear()
+    elif chunks:
+        i = draw(st.integers(0, len(chunks) - 1))
+        if op == "drop":
+            del chunks[i]
+        elif op == "duplicate":
+            chunks.insert(i, chunks[i])
+        else:
+            j = draw(st.integers(0, len(chunks) - 1))
+            chunks[i], chunks[j] = chunks[j], chunks[i]
+    return f"order.{op}"
+
+
+def test_fuzz_every_transfer_kv_field(cluster):
+    from vlkv.v1 import kv_pb2
+
+    from tests.test_decode_transfer_faults import _stream
+
+    free = cluster.pool.num_free
+    transfer = cluster.decode_channel.stream_unary(
+        "/vlkv.v1.DecodeWorker/TransferKV",
+        request_serializer=kv_pb2.KVChunk.SerializeToString,
+        response_deserializer=worker_pb2.TransferAck.FromString,
+    )
+    seen: Counter = Counter()
+    fields: Counter = Counter()
+    inconsistent = []
+    counter = iter(range(10**9))
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.data())
+    def one(data):
+        rid = f"kv-fuzz-{next(counter)}"
+        chunks = [kv_pb2.KVChunk.FromString(c.SerializeToString()) for c in _stream(cluster, rid, m=20)]
+        for _ in range(data.draw(st.integers(1, 3))):
+            fields[_break_stream(data, chunks)] += 1
+        try:
+            transfer(iter(chunks), timeout=60)
+        except grpc.RpcError as exc:
+            assert exc.code() in TRANSFER_CODES, (exc.code(), exc.details())
+            assert exc.details()
+            seen[exc.code().name] += 1
+            return
+        seen["OK"] += 1
+        header = next(c.header for c in chunks if c.WhichOneof("part") == "header")
+        usage = []
+        _claim(cluster, header.request_id, usage)  # decodes it; its blocks come back
+        u = usage[0]
+        m = header.prompt_length
+        if not (u.prompt_tokens in (0, m) and u.vision_tokens <= m and 0 < len(u.layer_budgets)):
+            inconsistent.append(u)
+
+    one()
+    print("TransferKV fuzz outcomes:", dict(seen), "broken:", dict(fields))
+    assert sum(seen.values()) >= EXAMPLES and seen["OK"] > 0
+    assert seen["UNKNOWN"] == seen["INTERNAL"] == 0
+    assert not inconsistent, inconsistent[:3]
+    load = cluster.decode_stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+    assert cluster.pool.num_free == free and load.free_blocks == load.total_blocks
+    assert _ask(cluster, random_png(4)).finished is not None

@@ -60,6 +60,7 @@ from vlkv.common.handoff.wire import (
 from vlkv.common.model.spec import KVLayout
 from vlkv.v1 import kv_pb2
 
+MAX_REQUEST_ID_CHARS = 128  # as request.MAX_REQUEST_ID: a cache no Decode call could claim is refused
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _LOSS = grpc.StatusCode.DATA_LOSS
 _PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -91,6 +92,8 @@ def validate_header(
 
     if header.format_version != FORMAT_VERSION:
         raise bad(f"format_version {header.format_version}, this side speaks {FORMAT_VERSION}")
+    if not 0 < len(header.request_id) <= MAX_REQUEST_ID_CHARS:
+        raise bad(f"request_id: required, at most {MAX_REQUEST_ID_CHARS} characters")
     scores_bytes = sum(map(len, header.prompt_scores))  # per kept token, checked below
     if header.ByteSize() - scores_bytes > max_header_bytes:
         raise bad(

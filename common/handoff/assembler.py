@@ -113,7 +113,7 @@ def validate_header(
         raise bad(f"prompt_length {header.prompt_length} outside [1, {max_prompt_length}]")
     if any(not 0 < k <= header.prompt_length for k in header.layer_lengths):
         raise bad(f"a layer length is outside [1, prompt_length={header.prompt_length}]")
-    if header.prompt_tokens not in (0, header.prompt_length) or header.vision_tokens > header.prompt_length:
+    if not header.vision_tokens <= header.prompt_tokens <= header.prompt_length:
         raise bad(
             f"prompt_tokens {header.prompt_tokens} / vision_tokens {header.vision_tokens} do not fit "
             f"prompt_length {header.prompt_length}"

@@ -61,13 +61,14 @@ def expected_scores(name: str, stats: SimpleNamespace, kv_heads: int, m: int) ->
     """Brute-force per-query-head scores summed over each GQA group (None: not attention-based)."""
     probs = stats.probs  # [H, Tq, m]
     heads, tq, _ = probs.shape
-    if name in ("vlcache", "h2o"):
+    half = {"vlcache": 1, "snapkv": 3, "pyramidkv": 3}.get(name, 0)  # max-pool widths 3 and 7
+    if name == "h2o":
         per_head = probs.sum(1)
     elif name == "zipcache":
         per_head = probs.sum(1) / (probs > 0).sum(1).clamp_min(1)
-    elif name in ("snapkv", "pyramidkv"):
+    elif name in ("vlcache", "snapkv", "pyramidkv"):
         col = probs.sum(1)
-        per_head = torch.stack([col[:, max(0, j - 3) : j + 4].amax(-1) for j in range(m)], dim=-1)
+        per_head = torch.stack([col[:, max(0, j - half) : j + half + 1].amax(-1) for j in range(m)], dim=-1)
     else:
         return None
     g = heads // kv_heads
@@ -99,17 +100,30 @@ def test_policy_invariants(name, allocator, heads, kv_heads):
             continue
         recent = recent_count(k_l)
         assert recent == math.ceil(0.1 * k_l - 1e-9)
-        if policy.post_vision_window:  # vlcache: the post-vision tokens too (up to half), then the window
-            recent = min(k_l, min(TAU, k_l // 2) + recent)
-        assert bool((idx[:, k_l - recent :] == torch.arange(M - recent, M)).all()), "recent window"
         scores = policy.score(layer, stats[layer], ks[layer], vs[layer], M, TAU)
         want = expected_scores(name, stats[layer], kv_heads, M)
         if want is not None:
             torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-6)
-        for h in range(kv_heads):  # brute force: kept older tokens carry the top k - recent scores
-            older = scores[h, : M - recent]
-            kept = sorted(older[idx[h, : k_l - recent]].tolist(), reverse=True)
-            best = sorted(older.tolist(), reverse=True)[: k_l - recent]
+        share = min(TAU, policy.post_vision_share(k_l, M)) if policy.post_vision_window else 0
+        own = 0
+        if policy.post_vision_by_score and 0 < share < TAU:
+            # vlcache: the question's `share` best-scoring tokens, then the recent window right before them
+            own, recent = share, min(recent, k_l - share, M - TAU)
+            for h in range(kv_heads):
+                question = scores[h, M - TAU :]
+                kept_q = sorted(question[idx[h, k_l - own :] - (M - TAU)].tolist(), reverse=True)
+                assert kept_q == sorted(question.tolist(), reverse=True)[:own]
+            window = torch.arange(M - TAU - recent, M - TAU)
+            assert bool((idx[:, k_l - own - recent : k_l - own] == window).all()), "recent window"
+            end = M - TAU - recent
+        else:  # the post-vision tokens (up to their share) and the recent window are the last positions
+            recent = min(k_l, share + recent)
+            assert bool((idx[:, k_l - recent :] == torch.arange(M - recent, M)).all()), "recent window"
+            end = M - recent
+        for h in range(kv_heads):  # brute force: kept older tokens carry the top scores among the older ones
+            older = scores[h, :end]
+            kept = sorted(older[idx[h, : k_l - recent - own]].tolist(), reverse=True)
+            best = sorted(older.tolist(), reverse=True)[: k_l - recent - own]
             assert kept == best
 
 
@@ -126,8 +140,11 @@ def test_full_budget_returns_cache_unchanged(name, allocator):
 
 
 def test_vlcache_defaults_use_post_vision_rows_and_algorithm1():
-    policy = get_policy("vlcache")
-    assert policy.allocator == "sparsity" and policy.query_start(M, TAU) == M - TAU
+    default = get_policy("vlcache")  # chosen on the zoo (common/compression/README.md)
+    assert (default.allocator, default.pyramid_beta, default.pool_kernel) == ("pyramid", 4.0, 3)
+    assert default.post_vision_window and default.post_vision_by_score
+    policy = get_policy("vlcache", allocator="sparsity")  # Algorithm 1
+    assert policy.query_start(M, TAU) == M - TAU
     qs, ks, vs = make_inputs(4, 2, seed=2)
     stats = stats_for(policy, qs, ks)
     gammas = [layer_sparsity(s) for s in stats]
@@ -136,7 +153,7 @@ def test_vlcache_defaults_use_post_vision_rows_and_algorithm1():
         assert int(s.unmasked[0]) == visible
     budgets = policy.allocate(stats, 0.2, M, L)
     assert budgets == sparsity_budgets(gammas, 0.2, M)
-    exact = get_policy("vlcache", exact_budget=True).allocate(stats, 0.2, M, L)
+    exact = get_policy("vlcache", allocator="sparsity", exact_budget=True).allocate(stats, 0.2, M, L)
     assert sum(exact) == round(0.2 * L * M)
 
 
@@ -282,7 +299,9 @@ def test_settings_full_cache_and_admission_estimate():
 
 
 def test_vlcache_keeps_the_post_vision_tokens_and_the_recent_window_before_them():
-    policy, plain = get_policy("vlcache"), get_policy("snapkv")
+    # the last question tokens (the option the zoo's default replaced by the best-scoring ones:
+    # tests/test_compression_options.py)
+    policy, plain = get_policy("vlcache", post_vision_by_score=False), get_policy("snapkv")
     scores = torch.arange(100, dtype=torch.float32).flip(0)[None]  # older tokens score higher
     for k, tau, recent in ((40, 10, 14), (12, 10, 8), (40, 2, 6), (40, 100, 4), (40, 0, 4), (1, 10, 1)):
         kept = policy.select(scores, k, tau)

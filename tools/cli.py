@@ -416,6 +416,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if getattr(args, "zoo", False):
+        from vlkv.tools.eval.zoo import run_zoo
+
+        return run_zoo(args)
     if args.api:
         from vlkv.tools.eval.api_check import run_api_check
 
@@ -574,6 +578,14 @@ def main(argv: list[str] | None = None) -> int:
         "kind (69-token answers, the deciding word 67th) with decode re-compression off vs on -> kv.md "
         "(--table with --kv-dtype or --decode-budget adds it after the sweep)",
     )
+    p.add_argument(
+        "--zoo",
+        action="store_true",
+        help="every zoo member (tools/zoo) x policy x {1,2,5,10}%%, a table per member and the worst member "
+        "(with --ablation: vlcache's options instead of the policies; with --api: the default policy's answers "
+        "through real gRPC too) -> zoo.md, zoo.json, zoo.png",
+    )
+    p.add_argument("--members", default="", help="--zoo: comma-separated members (default: all)")
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")

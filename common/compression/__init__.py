@@ -19,7 +19,10 @@ from .base import TAU0_WINDOW, Policy, post_vision_start, recent_count
 from .budgets import (
     cake_budgets,
     cake_preferences,
+    coverage_budgets,
+    coverage_counts,
     fit_total,
+    mixed_budgets,
     pyramid_budgets,
     realized_ratio,
     sparsity_budgets,
@@ -33,7 +36,7 @@ from .registry import (
     CompressionSettings,
     get_policy,
 )
-from .stats import AttentionStatsLike, group_sum, head_sparsity, layer_sparsity
+from .stats import AttentionStatsLike, group_sum, head_sparsity, layer_sparsity, rows_seeing
 
 __all__ = [
     "ALLOCATORS",
@@ -49,17 +52,21 @@ __all__ = [
     "allocator_names",
     "cake_budgets",
     "cake_preferences",
+    "coverage_budgets",
+    "coverage_counts",
     "fit_total",
     "get_allocator",
     "get_policy",
     "group_sum",
     "head_sparsity",
     "layer_sparsity",
+    "mixed_budgets",
     "post_vision_start",
     "pyramid_budgets",
     "realized_ratio",
     "recent_count",
     "register_allocator",
+    "rows_seeing",
     "sparsity_budgets",
     "uniform_budgets",
     "unregister_allocator",

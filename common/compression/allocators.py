@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from .budgets import cake_budgets, cake_preferences, pyramid_budgets, sparsity_budgets, uniform_budgets
+from .budgets import (
+    cake_budgets,
+    cake_preferences,
+    coverage_budgets,
+    coverage_counts,
+    mixed_budgets,
+    pyramid_budgets,
+    sparsity_budgets,
+    uniform_budgets,
+)
 from .stats import AttentionStatsLike, layer_sparsity
 
 if TYPE_CHECKING:
@@ -106,6 +115,31 @@ class CakeAllocator(Allocator):
     def budgets(self, stats, alpha, m, L, policy):
         prefs = cake_preferences(stats, tau1=policy.cake_tau1, tau2=policy.cake_tau2)
         return cake_budgets(prefs, alpha, m)
+
+
+@register_allocator
+class MixedAllocator(Allocator):
+    """``1 - adaptive_weight`` uniform, ``adaptive_weight`` Algorithm 1 (``policy.adaptive_weight``, 0.2)."""
+
+    name = "mixed"
+    needs_stats = True
+
+    def budgets(self, stats, alpha, m, L, policy):
+        gammas = [layer_sparsity(s) for s in stats]
+        return mixed_budgets(gammas, alpha, m, weight=policy.adaptive_weight)
+
+
+@register_allocator
+class CoverageAllocator(Allocator):
+    """Proportional to the tokens each layer needs to cover ``policy.coverage_mass`` of its attention,
+    at least ``policy.min_layer_share`` of the uniform budget per layer."""
+
+    name = "coverage"
+    needs_stats = True
+
+    def budgets(self, stats, alpha, m, L, policy):
+        counts = coverage_counts(stats, mass=policy.coverage_mass)
+        return coverage_budgets(counts, alpha, m, floor_share=policy.min_layer_share)
 
 
 ALLOCATORS: tuple[str, ...] = allocator_names()  # the built-in allocators

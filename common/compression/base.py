@@ -23,7 +23,15 @@ import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 
 from .allocators import get_allocator
-from .stats import AttentionStatsLike, group_sum, kept_prompt_scores, validate_stats
+from .stats import (
+    AttentionStatsLike,
+    group_sum,
+    kept_prompt_scores,
+    max_pool_positions,
+    num_query_rows,
+    rows_seeing,
+    validate_stats,
+)
 
 TAU0_WINDOW = 8  # query rows used when the prompt has no post-vision text (tau = 0)
 
@@ -47,8 +55,21 @@ class Policy:
     exact_budget: for the sparsity allocator, hit ``round(alpha * L * m)`` exactly (see budgets.py).
     recent_ratio: fraction of each layer's budget spent on the most recent tokens.
     post_vision_window: the post-vision tokens (the last ``tau``, when the prompt has vision tokens) are kept
-    too, up to half the budget, and the recent window is counted before them (``select``).
-    pyramid_beta, cake_tau1, cake_tau2: parameters of the pyramid and CAKE allocators.
+    too, up to ``post_vision_cap`` of the budget, and the recent window is counted before them (``select``).
+    post_vision_cap: the largest share of a layer's budget the post-vision window takes (0.5: half).
+    post_vision_slope: > 0 makes that share shrink with the layer's budget: at most
+    ``post_vision_slope * k / m`` of it (so at 10% with slope 5 the cap is 0.5, at 2% it is 0.1).
+    post_vision_by_score: the post-vision window's slots go to the post-vision tokens with the best scores
+    (the question's key words wherever they sit) rather than to the last ones.
+    sink_tokens: the first tokens of the prompt (BOS and the chat frame before the image) are kept before any
+    scored token (StreamingLLM's attention sinks), as far as the budget left after the windows allows.
+    row_normalized: score each token by its mean attention over the statistics rows that can see it (the
+    column sum divided by ``m - max(j, q0)``), so the post-vision tokens, which causal attention shows to
+    fewer rows, compete with the vision tokens on equal terms (ZipCache's normalisation on the policy's rows).
+    pool_kernel: max-pool the scores along positions with this odd width before the top-k (SnapKV's
+    clustering; 1 = none).
+    pyramid_beta, cake_tau1, cake_tau2, adaptive_weight, coverage_mass, min_layer_share: parameters of the
+    pyramid, CAKE, mixed and coverage allocators (``allocators.py``).
     """
 
     name: ClassVar[str] = "base"
@@ -59,9 +80,18 @@ class Policy:
     exact_budget: bool = False
     recent_ratio: float = 0.1
     post_vision_window: bool = False
+    post_vision_cap: float = 0.5
+    post_vision_slope: float = 0.0
+    row_normalized: bool = False
+    post_vision_by_score: bool = False
+    sink_tokens: int = 0
+    pool_kernel: int = 1
     pyramid_beta: float = 20.0
     cake_tau1: float = 1.0
     cake_tau2: float = 1.0
+    adaptive_weight: float = 0.2
+    coverage_mass: float = 0.9
+    min_layer_share: float = 0.25
 
     def __post_init__(self) -> None:
         get_allocator(self.allocator)  # ValueError for an unknown name
@@ -69,6 +99,17 @@ class Policy:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
         if self.cake_tau1 <= 0 or self.cake_tau2 <= 0:
             raise ValueError("cake_tau1 and cake_tau2 must be > 0")
+        for name in ("post_vision_cap", "adaptive_weight", "min_layer_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.coverage_mass <= 1.0:
+            raise ValueError(f"coverage_mass must be in (0, 1], got {self.coverage_mass}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
+        if self.post_vision_slope < 0:
+            raise ValueError(f"post_vision_slope must be >= 0, got {self.post_vision_slope}")
 
     def is_full(self, alpha: float) -> bool:
         """Whether budget ``alpha`` keeps the whole cache: ``alpha >= 1`` or the ``full`` policy."""
@@ -106,29 +147,57 @@ class Policy:
 
         keys, values: ``[H_kv, m, D]`` of this layer; stats cover rows ``query_start(m, tau) .. m-1``.
         Default: the column sums over those rows, ``sum_{h in group} sum_{i >= q0} A_hij``
-        (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score.
+        (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score. With
+        ``row_normalized`` each column is divided by the number of those rows that see it; with
+        ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV).
         """
         if stats is None:
             raise ValueError(f"{self.name} scores need attention statistics")
-        return group_sum(stats.col_sum.float(), keys.shape[0])
+        col_sum = stats.col_sum.float()
+        if self.row_normalized:
+            col_sum = col_sum / rows_seeing(m, num_query_rows(stats), col_sum.device)
+        return group_sum(max_pool_positions(col_sum, self.pool_kernel), keys.shape[0])
 
     def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
         """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
 
         The last ``recent_count(k)`` positions are always kept. With ``post_vision_window`` and
-        ``0 < tau < m`` the last ``min(tau, k // 2)`` (the post-vision text, the score's own window) are
-        kept as well and the recent window is the ``recent_count(k)`` positions before them (the end of the
-        last image). The rest are the top scores among the earlier positions, chosen per KV head.
+        ``0 < tau < m`` the last ``min(tau, post_vision_share(k, m))`` (the post-vision text, the score's
+        own window; half the budget by default) are kept as well and the recent window is the
+        ``recent_count(k)`` positions before them (the end of the last image). With
+        ``post_vision_by_score`` and a question longer than its share, the window's slots go to the
+        best-scoring post-vision tokens instead of the last ones. The rest are the top scores among the
+        earlier positions, chosen per KV head.
         """
         kv_heads, m = scores.shape
         if not 1 <= k <= m:
             raise ValueError(f"budget {k} outside [1, m={m}]")
+        scores = scores.float().nan_to_num(nan=-math.inf)
+        if self.sink_tokens:  # attention sinks (StreamingLLM): the first tokens win every top-k below
+            scores = scores.clone()
+            scores[:, : self.sink_tokens] = math.inf
         recent = recent_count(k, self.recent_ratio)
-        if self.post_vision_window and 0 < tau < m:
-            recent = min(k, min(tau, k // 2) + recent)
+        window = min(tau, self.post_vision_share(k, m)) if self.post_vision_window and 0 < tau < m else 0
+        if self.post_vision_by_score and 0 < window < tau:
+            # the post-vision tokens compete among themselves for the window's slots, by their own scores;
+            # the recent window is the end of the last image, right before them
+            recent = min(recent, k - window, m - tau)
+            own = scores[:, m - tau :].topk(window, dim=-1).indices + (m - tau)
+            tail = torch.arange(m - tau - recent, m - tau, device=scores.device).expand(kv_heads, recent)
+            top = scores[:, : m - tau - recent].topk(k - window - recent, dim=-1).indices
+            return torch.cat([top, tail, own], dim=-1).sort(dim=-1).values
+        recent = min(k, window + recent)
         tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
-        top = scores[:, : m - recent].float().nan_to_num(nan=-math.inf).topk(k - recent, dim=-1).indices
+        top = scores[:, : m - recent].topk(k - recent, dim=-1).indices
         return torch.cat([top, tail], dim=-1).sort(dim=-1).values
+
+    def post_vision_share(self, k: int, m: int) -> int:
+        """How many of a layer's ``k`` slots the post-vision window may take outright:
+        ``floor(cap * k)`` with ``cap = post_vision_cap``, or ``min(cap, post_vision_slope * k / m)``."""
+        cap = self.post_vision_cap
+        if self.post_vision_slope > 0:
+            cap = min(cap, self.post_vision_slope * k / m)
+        return int(cap * k + 1e-9)
 
     def plan(
         self,

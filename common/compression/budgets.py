@@ -7,6 +7,11 @@ means "no compression" (every layer keeps m), whatever the allocator.
 - ``uniform_budgets``: ``ceil(alpha * m)`` in every layer (H2O, StreamingLLM, SnapKV).
 - ``pyramid_budgets``: PyramidKV, linearly decreasing with depth, same total as uniform.
 - ``cake_budgets`` / ``cake_preferences``: CAKE (paper 004), proportional to an entropy/variance preference.
+- ``mixed_budgets``: EffiVLM-Bench's finding on VL-Cache: ``1 - w`` of the total split uniformly and ``w``
+  by Algorithm 1's shares, so no layer is starved at low budgets.
+- ``coverage_budgets`` / ``coverage_counts``: proportional to how many tokens each layer needs to cover a
+  fixed share of its attention mass (a strong, skewed layer needs few; a diffuse one many; AirCache's idea
+  of sizing layers by the strength and skew of their score distribution), with a floor per layer.
 """
 
 from __future__ import annotations
@@ -177,3 +182,50 @@ def cake_budgets(preferences: Sequence[float], alpha: float, m: int) -> list[int
 def realized_ratio(budgets: Sequence[int], m: int) -> float:
     """``sum_l k_l / (L * m)``, the fraction of the full cache actually kept."""
     return sum(budgets) / (len(budgets) * m)
+
+
+def mixed_budgets(layer_sparsity: Sequence[float], alpha: float, m: int, *, weight: float = 0.2) -> list[int]:
+    """``b_l = (1 - w) * T / L + w * T * (1 - gamma_l) / sum_k (1 - gamma_k)`` with T the uniform total,
+    fitted to ``[1, m]`` with an exact sum (:func:`fit_total`). ``w = 0`` is uniform, ``w = 1`` Algorithm 1's
+    proportions at the uniform total."""
+    n = len(layer_sparsity)
+    _check(alpha, m, n)
+    total = sum(uniform_budgets(n, alpha, m))
+    if total >= n * m:
+        return [m] * n
+    dense = [max(0.0, 1.0 - float(g)) for g in layer_sparsity]
+    z = sum(dense)
+    shares = [d / z for d in dense] if z > 0 else [1.0 / n] * n
+    weights = [(1.0 - weight) / n + weight * sh for sh in shares]
+    return fit_total(weights, total, 1, m)
+
+
+def coverage_counts(stats_per_layer: Sequence[AttentionStatsLike], mass: float = 0.9) -> list[float]:
+    """Per layer: the mean over query heads of the fewest keys whose window attention (``col_sum`` over the
+    keys before the statistics rows, normalised per head) reaches ``mass`` of the total."""
+    counts = []
+    for stats in stats_per_layer:
+        tq = num_query_rows(stats)
+        m = stats.col_sum.shape[-1]
+        cols = slice(0, m - tq) if m - tq > 0 else slice(0, m)
+        col = stats.col_sum.to(torch.float64)[:, cols]
+        dist = col / col.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        cum = dist.sort(dim=-1, descending=True).values.cumsum(dim=-1)
+        need = (cum < mass - 1e-12).sum(dim=-1) + 1  # keys until the cumulative mass reaches `mass`
+        counts.append(float(need.clamp_max(cum.shape[-1]).double().mean()))
+    return counts
+
+
+def coverage_budgets(
+    counts: Sequence[float], alpha: float, m: int, *, floor_share: float = 0.25
+) -> list[int]:
+    """Budgets proportional to ``counts`` (:func:`coverage_counts`) at the uniform total, every layer
+    keeping at least ``floor_share`` of the uniform budget."""
+    n = len(counts)
+    _check(alpha, m, n)
+    uniform = uniform_budgets(n, alpha, m)
+    total = sum(uniform)
+    if total >= n * m:
+        return [m] * n
+    lo = max(1, min(m, math.floor(floor_share * uniform[0])))
+    return fit_total(counts, total, lo, m)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 
 @runtime_checkable
@@ -60,6 +61,22 @@ def group_sum(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     if heads % num_kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {num_kv_heads} KV heads")
     return per_query_head.reshape(num_kv_heads, heads // num_kv_heads, length).sum(dim=1)
+
+
+def max_pool_positions(per_query_head: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool ``[H, m]`` scores along positions (stride 1, same length; ``kernel`` odd, 1 = unchanged):
+    SnapKV's clustering, which keeps the neighbours of a strongly attended token."""
+    if kernel <= 1:
+        return per_query_head
+    pooled = F.max_pool1d(per_query_head.float().unsqueeze(1), kernel, stride=1, padding=kernel // 2)
+    return pooled.squeeze(1)
+
+
+def rows_seeing(m: int, tq: int, device=None) -> torch.Tensor:
+    """``[m]`` fp32: how many of the query rows ``m - tq .. m-1`` see key j under the causal mask:
+    ``tq`` for ``j < m - tq``, ``m - j`` from there on."""
+    j = torch.arange(m, device=device)
+    return torch.minimum(torch.full_like(j, tq), m - j).clamp_min(1).float()
 
 
 def kept_prompt_scores(stats: AttentionStatsLike, kept: torch.Tensor, rows: int) -> torch.Tensor:

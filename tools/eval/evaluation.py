@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -32,7 +33,8 @@ from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.kernels.attention_stats import attention_stats
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.tools.progress import progress as track
-from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, Example, is_correct, prompt_text
+from vlkv.tools.task import synthetic_task
+from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, Example
 
 BLOCK_SIZE = 16
 
@@ -53,7 +55,10 @@ class _Recorder:
 
 @dataclass
 class Prepared:
-    """One example after its prefill: what every policy needs to compress and score it."""
+    """One example after its prefill: what every policy needs to compress and score it.
+
+    ``task``: the module that made the example (``is_correct``, ``prompt_text``): the default task
+    (``tools/task/synthetic_task.py``) or a zoo member (``tools/zoo``)."""
 
     example: Example
     m: int
@@ -64,6 +69,7 @@ class Prepared:
     values: list[torch.Tensor]
     next_attention: list[torch.Tensor]  # per layer [H, m]: the first decoding token's attention
     scale: float
+    task: Any = field(default=synthetic_task, repr=False)
     _stats: dict = field(default_factory=dict, repr=False)
 
     def stats(self, q0: int, threshold: float) -> list:
@@ -77,13 +83,17 @@ class Prepared:
 
 
 @torch.inference_mode()
-def prepare(model, processor, examples: list[Example], progress: bool = True) -> list[Prepared]:
-    """Prefill every example once with the prefill worker's forward, recording every layer's Q and K."""
+def prepare(
+    model, processor, examples: list[Example], progress: bool = True, task: Any = synthetic_task
+) -> list[Prepared]:
+    """Prefill every example once with the prefill worker's forward, recording every layer's Q and K.
+
+    task: the module whose ``prompt_text`` renders the prompt and whose ``is_correct`` scores the answers."""
     spec = ModelSpec.from_model(model, processor.tokenizer)
     engine = PrefillEngine(model, spec)
     out = []
     for i, ex in enumerate(track(examples, desc="prefill", unit="example", disable=not progress)):
-        inputs = prepare_inputs(processor, ex.images, prompt_text(processor, ex), spec.image_token_id)
+        inputs = prepare_inputs(processor, ex.images, task.prompt_text(processor, ex), spec.image_token_id)
         tensors = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
         req = PreparedRequest(
             f"eval-{i}",
@@ -99,7 +109,7 @@ def prepare(model, processor, examples: list[Example], progress: bool = True) ->
         q = [rec.q[layer] for layer in range(spec.num_layers)]
         m = inputs.modality.m
         nxt = _next_attention(model, keys, values, first, m)
-        out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale))
+        out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale, task))
     return out
 
 
@@ -258,7 +268,7 @@ def evaluate_caches(
     stats: dict = {}
     outs = decode_batch(model, caches, max_new_tokens, eos, stats=stats, **(decode or {}))
     texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
-    acc = sum(is_correct(t, p.example) for t, p in zip(texts, prepared, strict=True)) / len(prepared)
+    acc = sum(p.task.is_correct(t, p.example) for t, p in zip(texts, prepared, strict=True)) / len(prepared)
     layers = len(caches[0].keys)
     share = [sum(c.layer_lengths[li] / c.prompt_length for c in caches) / len(caches) for li in range(layers)]
     ratio = sum(c.compression_ratio for c in caches) / len(caches)

@@ -1,0 +1,116 @@
+"""vlcache's registered options beyond the paper's defaults: the post-vision window's share, row-normalised
+scores, and the mixed and coverage allocators (hand-computed cases and invariants)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vlkv.common.compression import (
+    coverage_budgets,
+    coverage_counts,
+    get_policy,
+    mixed_budgets,
+    rows_seeing,
+    sparsity_budgets,
+    uniform_budgets,
+)
+
+
+def _stats(col_sum: torch.Tensor, tq: int, below=None) -> SimpleNamespace:
+    heads, m = col_sum.shape
+    return SimpleNamespace(
+        row_max=torch.zeros(heads, tq),
+        row_sumexp=torch.ones(heads, tq),
+        col_sum=col_sum,
+        below=torch.zeros(heads) if below is None else below,
+        unmasked=torch.full((heads,), float(tq * m)),
+    )
+
+
+def test_mixed_is_uniform_at_weight_0_and_algorithm1_shares_at_weight_1():
+    gammas, alpha, m = [0.5, 0.8, 0.9], 0.2, 100
+    total = sum(uniform_budgets(3, alpha, m))
+    assert mixed_budgets(gammas, alpha, m, weight=0.0) == uniform_budgets(3, alpha, m)
+    # weight 1: Algorithm 1's proportions 0.5 : 0.2 : 0.1 of the uniform total 60 -> 37.5, 15, 7.5
+    assert mixed_budgets(gammas, alpha, m, weight=1.0) == [38, 15, 7]
+    # 0.8 uniform + 0.2 adaptive: 16 + [7.5, 3, 1.5] = [23.5, 19, 17.5]
+    mixed = mixed_budgets(gammas, alpha, m, weight=0.2)
+    assert sum(mixed) == total and mixed[1] == 19 and sorted(mixed, reverse=True) == mixed
+    # Algorithm 1 itself starves the sparse layer much more
+    assert sparsity_budgets(gammas, alpha, m)[2] < mixed[2]
+
+
+def test_coverage_counts_concentrated_vs_diffuse_layers():
+    m, tq = 110, 10
+    concentrated = torch.zeros(2, m)
+    concentrated[:, 5] = 1.0  # one key holds all the window's attention to the keys before it
+    diffuse = torch.ones(2, m)  # 100 keys before the rows, equal mass
+    counts = coverage_counts([_stats(concentrated, tq), _stats(diffuse, tq)], mass=0.9)
+    assert counts == [1.0, 90.0]
+    budgets = coverage_budgets(counts, 0.1, m, floor_share=0.25)
+    assert sum(budgets) == sum(uniform_budgets(2, 0.1, m)) == 22
+    assert budgets == [2, 20]  # the floor: 25% of the uniform 11 -> 2; the diffuse layer takes the rest
+
+
+def test_row_normalised_scores_divide_by_the_rows_that_see_each_key():
+    m, tq = 8, 3  # rows 5, 6, 7
+    assert rows_seeing(m, tq).tolist() == [3, 3, 3, 3, 3, 3, 2, 1]
+    col = torch.arange(1, m + 1, dtype=torch.float32).repeat(2, 1)
+    keys = torch.zeros(1, m, 4)
+    plain = get_policy("vlcache", pool_kernel=1).score(0, _stats(col, tq), keys, keys, m, tq)
+    norm = get_policy("vlcache", pool_kernel=1, row_normalized=True).score(
+        0, _stats(col, tq), keys, keys, m, tq
+    )
+    assert torch.allclose(norm, plain / rows_seeing(m, tq))
+
+
+@pytest.mark.parametrize(
+    ("params", "k", "tau", "kept_tail"),
+    [
+        ({"post_vision_by_score": False}, 40, 30, 20 + 4),  # half of 40, then the paper's 10% before it
+        ({"post_vision_cap": 0.25, "post_vision_by_score": False}, 40, 30, 10 + 4),
+        ({"post_vision_slope": 5.0, "post_vision_by_score": False}, 40, 30, 10 + 4),  # share min(0.5, 0.25)
+        ({"post_vision_slope": 5.0}, 8, 30, 0 + 1),  # k/m = 0.01 -> share 0.05 of 8 -> 0
+        ({"post_vision_window": False}, 40, 30, 4),
+    ],
+)
+def test_post_vision_share(params, k, tau, kept_tail):
+    m = 800
+    policy = get_policy("vlcache", **params)
+    scores = torch.arange(m, dtype=torch.float32).flip(0)[None]  # older tokens score higher
+    kept = policy.select(scores, k, tau)[0]
+    want = torch.cat([torch.arange(k - kept_tail), torch.arange(m - kept_tail, m)])
+    assert torch.equal(kept, want)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"post_vision_cap": 1.5}, {"post_vision_slope": -1.0}, {"adaptive_weight": 2.0}, {"coverage_mass": 0.0}],
+)
+def test_bad_option_values_are_clear_errors(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        get_policy("vlcache", **params)
+
+
+def test_post_vision_window_by_score_keeps_the_best_question_tokens():
+    m, k, tau = 100, 20, 30  # share 10 of the 30 post-vision tokens, recent window 2 before them
+    scores = torch.zeros(1, m)
+    scores[0, :70] = torch.arange(70, dtype=torch.float32).flip(0)  # older image tokens score higher
+    key_words = [72, 75, 81, 88, 90, 91, 93, 95, 97, 99]
+    scores[0, key_words] = 1000.0
+    kept = get_policy("vlcache", post_vision_by_score=True).select(scores, k, tau)[0].tolist()
+    assert kept == list(range(8)) + [68, 69] + key_words
+    # a question within its share is kept whole, as without the option
+    plain, by_score = get_policy("vlcache", post_vision_by_score=False), get_policy("vlcache")
+    assert torch.equal(plain.select(scores, 40, 15), by_score.select(scores, 40, 15))
+
+
+def test_sink_tokens_are_kept_before_scored_ones():
+    m, k = 100, 10
+    scores = torch.arange(m, dtype=torch.float32)[None]  # newer tokens score higher
+    kept = get_policy("snapkv", sink_tokens=3).select(scores, k, 0)[0].tolist()
+    assert kept == [0, 1, 2] + list(range(93, 100))  # 3 sinks, then the best 6 (incl. the recent 1)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        get_policy("vlcache", sink_tokens=-1)

@@ -103,7 +103,7 @@ def test_post_vision_window_by_score_keeps_the_best_question_tokens():
     kept = get_policy("vlcache", post_vision_by_score=True).select(scores, k, tau)[0].tolist()
     assert kept == list(range(8)) + [68, 69] + key_words
     # a question within its share is kept whole, as without the option
-    plain, by_score = get_policy("vlcache", post_vision_by_score=False), get_policy("vlcache")
+    plain, by_score = get_policy("vlcache"), get_policy("vlcache", post_vision_by_score=True)
     assert torch.equal(plain.select(scores, 40, 15), by_score.select(scores, 40, 15))
 
 

@@ -142,7 +142,7 @@ def test_full_budget_returns_cache_unchanged(name, allocator):
 def test_vlcache_defaults_use_post_vision_rows_and_algorithm1():
     default = get_policy("vlcache")  # chosen on the zoo (common/compression/README.md)
     assert (default.allocator, default.pyramid_beta, default.pool_kernel) == ("pyramid", 4.0, 3)
-    assert default.post_vision_window and default.post_vision_by_score
+    assert default.post_vision_window and not default.post_vision_by_score
     policy = get_policy("vlcache", allocator="sparsity")  # Algorithm 1
     assert policy.query_start(M, TAU) == M - TAU
     qs, ks, vs = make_inputs(4, 2, seed=2)

@@ -18,8 +18,8 @@ class VLCachePolicy(Policy):
     (the base ``score`` and ``query_start``).
 
     Defaults chosen on the model zoo by the tuning protocol (``common/compression/README.md``): the
-    post-vision window keeps the question's best-scoring tokens (up to half the budget), scores are
-    max-pooled over 3 positions, and layer budgets decrease gently with depth (``pyramid``, beta 4).
+    post-vision window keeps the question's last tokens (up to half the budget), scores are max-pooled over
+    3 positions, and layer budgets decrease gently with depth (``pyramid``, beta 4).
     Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is
     ``allocator="sparsity"``; the paper's policy as first shipped is ``tools/eval/zoo.py``
     ``PREVIOUS_DEFAULT``.
@@ -30,4 +30,3 @@ class VLCachePolicy(Policy):
     pyramid_beta: float = 4.0
     pool_kernel: int = 3
     post_vision_window: bool = True
-    post_vision_by_score: bool = True

@@ -40,7 +40,7 @@ PREVIOUS_LABEL = "vlcache before the zoo"
 ABLATION = (
     ("vlcache (defaults)", "vlcache", {}),
     (PREVIOUS_LABEL, "vlcache", PREVIOUS_DEFAULT),
-    ("window: the last question tokens (not by score)", "vlcache", {"post_vision_by_score": False}),
+    ("window: the best-scoring question tokens", "vlcache", {"post_vision_by_score": True}),
     ("window: none (the paper's recent window only)", "vlcache", {"post_vision_window": False}),
     ("window: cap 1/4", "vlcache", {"post_vision_cap": 0.25}),
     ("scores not pooled", "vlcache", {"pool_kernel": 1}),

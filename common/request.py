@@ -34,7 +34,7 @@ from vlkv.common.model.inputs import (
     read_headers,
 )
 from vlkv.common.model.spec import ModelSpec
-from vlkv.common.reuse import REUSE_MODES, ReuseSettings, image_hashes
+from vlkv.common.reuse import REUSE_MODE_ALIASES, REUSE_MODES, ReuseSettings, image_hashes
 from vlkv.common.sampling import SamplingConfig
 from vlkv.v1 import generate_pb2, worker_pb2
 
@@ -379,7 +379,7 @@ def reuse_from_proto(pb: generate_pb2.ReuseParams) -> ReuseSettings:
     """Validated image-reuse settings; InvalidInput names a bad value."""
     if pb.reuse not in ("", "auto", "off"):
         raise InvalidInput(f"reuse must be auto or off, got {pb.reuse!r}")
-    if pb.mode and pb.mode not in REUSE_MODES:
+    if pb.mode and pb.mode not in REUSE_MODES and pb.mode not in REUSE_MODE_ALIASES:
         raise InvalidInput(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {pb.mode!r}")
     kwargs = {"enabled": pb.reuse != "off"}
     if pb.mode:

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-REUSE_MODES = ("vlcache", "mpic", "none")
+REUSE_MODES = ("layerwise", "mpic", "none")
+# "vlcache" named the layer-aware mode until it also named a compression policy; requests may still send it
+REUSE_MODE_ALIASES = {"vlcache": "layerwise"}
 DEFAULT_RECOMPUTE_RATIO = 0.05
 ANONYMOUS = "anonymous"  # the tenant of callers without an API token
 TENANT_KEY = "vlkv-tenant"  # metadata key of the caller's tenant on the gateway's Prefill calls
@@ -29,10 +31,11 @@ MAX_TENANT_CHARS = 128
 @dataclass(frozen=True, slots=True)
 class ReuseSettings:
     enabled: bool = True
-    mode: str = "vlcache"
+    mode: str = "layerwise"
     ratio: float = DEFAULT_RECOMPUTE_RATIO  # share of the image's token-layers recomputed, in [0, 1]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", REUSE_MODE_ALIASES.get(self.mode, self.mode))
         if self.mode not in REUSE_MODES:
             raise ValueError(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {self.mode!r}")
         if not (math.isfinite(self.ratio) and 0.0 <= self.ratio <= 1.0):

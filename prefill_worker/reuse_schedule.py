@@ -124,7 +124,7 @@ def layer_ratios(
         return [0.0] * num_layers
     if mode == "mpic":
         return [ratio] * num_layers
-    if mode != "vlcache":
+    if mode != "layerwise":
         raise ValueError(f"unknown reuse mode {mode!r}")
     sens = calibration.sensitivity if calibration is not None else default_sensitivity(num_layers)
     return greedy_ratios(sens, round(STEPS * ratio * num_layers))

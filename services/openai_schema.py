@@ -92,7 +92,7 @@ class VlkvOptions(BaseModel):
     return_token_ids: bool = False  # choices (and stream deltas) carry the generated token ids
     reuse: str = ""  # image cache: "auto" (default) or "off" (ReuseParams)
     recompute_ratio: float | None = None
-    reuse_mode: str = ""  # "vlcache" (default), "mpic", "none"
+    reuse_mode: str = ""  # "layerwise" (default; "vlcache" is an old alias), "mpic", "none"
 
 
 class ImageURL(BaseModel):

@@ -34,7 +34,7 @@ def test_calibration_is_measured_stored_as_json_and_used(tmp_path):
     eng = InProcessEngine(model, load_processor(str(model_dir)))
     reuser = ImageReuser(model, eng.spec, ImageCache(1 << 20))
     assert reuser.calibration is not None and reuser.calibration.sensitivity == sens
-    assert layer_ratios("vlcache", 0.1, 4, reuser.calibration) == greedy_ratios(sens, 4)
+    assert layer_ratios("layerwise", 0.1, 4, reuser.calibration) == greedy_ratios(sens, 4)
     other = calibrate_reuse.Calibration("another-model", sens)
     (model_dir / CALIBRATION_FILE).write_text(other.to_json())
     assert ImageReuser(model, eng.spec, ImageCache(1 << 20)).calibration is None  # foreign: default schedule

@@ -114,10 +114,10 @@ def test_greedy_ratios_are_tenths_non_increasing_and_within_budget():
 def test_layer_ratios_by_mode_and_counts():
     assert layer_ratios("none", 0.5, 4) == [0.0] * 4
     assert layer_ratios("mpic", 0.05, 4) == [0.05] * 4
-    assert layer_ratios("vlcache", 1.0, 4) == [1.0] * 4
-    assert layer_ratios("vlcache", 0.1, 4) == [0.1, 0.1, 0.1, 0.1]
-    assert layer_ratios("vlcache", 0.05, 4) == [0.1, 0.1, 0.0, 0.0]  # layer 0 alone would change nothing
-    assert sum(layer_ratios("vlcache", 0.05, 4)) == pytest.approx(0.2)
+    assert layer_ratios("layerwise", 1.0, 4) == [1.0] * 4
+    assert layer_ratios("layerwise", 0.1, 4) == [0.1, 0.1, 0.1, 0.1]
+    assert layer_ratios("layerwise", 0.05, 4) == [0.1, 0.1, 0.0, 0.0]  # layer 0 alone would change nothing
+    assert sum(layer_ratios("layerwise", 0.05, 4)) == pytest.approx(0.2)
     assert recomputed_counts([0.2, 0.1, 0.0], 36) == [8, 4, 0]
     assert recomputed_counts([0.05] * 2, 36) == [2, 2]
     assert recomputed_counts([1.0, 1.0], 36) == [36, 36]

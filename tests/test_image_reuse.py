@@ -74,7 +74,7 @@ def test_exact_prefix_hit_recomputes_no_image_token(default_engine):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["vlcache", "mpic"])
+@pytest.mark.parametrize("mode", ["layerwise", "mpic"])
 def test_hit_at_another_position_at_ratio_one_matches_no_cache(default_engine, mode):
     eng = default_engine
     pe = cached(eng)
@@ -129,7 +129,7 @@ def test_reused_tokens_skip_the_layers_where_they_are_not_recomputed(default_eng
     ex = make_examples(1, split="heldout")[0]
     pe.run(eng.prepare(ex.images, prompt=prompt(ex, PREFIXES[1]), compression=FULL))
     req = eng.prepare(ex.images, prompt=prompt(ex, PREFIXES[2]), compression=FULL)
-    req.reuse = ReuseSettings(mode="vlcache", ratio=ratio)
+    req.reuse = ReuseSettings(mode="layerwise", ratio=ratio)
     rec = RowRecorder()
     rec.m = req.m
     logits, keys, values, report = pe.forward_cached(req, rec, q_start=req.m)
@@ -151,7 +151,7 @@ def test_statistics_and_compression_run_on_the_assembled_cache(default_engine):
     compression = CompressionSettings("vlcache", 0.3, 0.01)
     pe.run(eng.prepare(ex.images, prompt=prompt(ex, PREFIXES[1]), compression=compression))
     req = eng.prepare(ex.images, prompt=prompt(ex, PREFIXES[2]), compression=compression)
-    req.reuse = ReuseSettings(mode="vlcache", ratio=0.1)
+    req.reuse = ReuseSettings(mode="layerwise", ratio=0.1)
     res = pe.run(req)
     assert res.reuse.hit and res.policy == "vlcache"
     assert res.cache.prompt_length == req.m and res.cache.compression_ratio < 0.5
@@ -212,3 +212,9 @@ def test_random_tiny_models_at_ratio_one_match_the_full_forward(tiny_model_dirs,
         for a, b in zip(got.cache.keys + got.cache.values, ref.cache.keys + ref.cache.values, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert (pe.reuser.unsupported == "") == variant.startswith("llava-")
+
+
+def test_reuse_mode_old_name_is_an_alias():
+    assert ReuseSettings(mode="vlcache").mode == "layerwise"
+    with pytest.raises(ValueError, match="reuse mode"):
+        ReuseSettings(mode="nope")

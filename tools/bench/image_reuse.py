@@ -61,7 +61,7 @@ CONDITIONS = [
     Condition("hit, no recompute", ReuseSettings(mode="none", ratio=0.0)),
     *(Condition(f"hit, MPIC {r:.0%}", ReuseSettings(mode="mpic", ratio=r)) for r in (0.02, 0.05, 0.1)),
     *(
-        Condition(f"hit, VLCache {r:.0%}", ReuseSettings(mode="vlcache", ratio=r))
+        Condition(f"hit, VLCache {r:.0%}", ReuseSettings(mode="layerwise", ratio=r))
         for r in (0.02, 0.05, 0.1, 1.0)
     ),
     Condition("miss + VL-Cache 10%", None, VL10),

@@ -71,7 +71,9 @@ def _caches(engine, n: int):
             [random_png(i)],
             question="what colour is the square ?",
             sampling=SamplingConfig(max_new_tokens=70),
-            compression=CompressionSettings("vlcache", 0.3),
+            compression=CompressionSettings(
+                "vlcache", 0.3, allocator="sparsity"
+            ),  # the budgets these tests were built on
         )
         for i in range(n)
     ]

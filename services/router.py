@@ -69,6 +69,7 @@ class Worker:
     reachable: bool = True
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
     pending_blocks: int = 0  # decode: blocks promised to requests whose cache has not arrived yet
+    settling_blocks: int = 0  # decode: of those, arrived but not yet in a report: released by the next one
     load_at: float = float("-inf")  # event-loop time of the last report
     failed: bool = False  # its load stream or poll failed since its last report
     polled: bool = False  # offers no WatchLoad: asked with GetLoad when drawn (and every POLL_S)
@@ -93,8 +94,9 @@ class DecodeSlot:
     blocks: int
 
     def release(self) -> None:
-        """The cache arrived (the worker's own load counts it now) or never will; idempotent."""
-        self.worker.pending_blocks -= self.blocks
+        """The cache arrived or never will; idempotent. The promise is kept until the worker's next load
+        report, which counts the cache (a report sent before the cache arrived would show its room free)."""
+        self.worker.settling_blocks += self.blocks
         self.blocks = 0
 
 
@@ -226,6 +228,8 @@ class Router:
         """A report from ``w`` (its load stream or a poll)."""
         w.load = load
         w.load_at = asyncio.get_running_loop().time()
+        w.pending_blocks -= w.settling_blocks  # the report counts the caches that arrived before it
+        w.settling_blocks = 0
         w.reachable, w.failed, w.refused = True, False, False
         pool = self.prefill if self.prefill.get(w.address) is w else self.decode
         if pool.get(w.address) is w:

@@ -289,9 +289,7 @@ def test_settings_full_cache_and_admission_estimate():
     assert CompressionSettings("full", 0.1).is_full and CompressionSettings("h2o", 1.0).is_full
     assert not CompressionSettings("vlcache", 0.99).is_full
     assert CompressionSettings("full", 0.1).layer_tokens_estimate(47, 4) == [47] * 4
-    # a stats-free allocator (vlcache's pyramid) gives its own budgets; a stats-reading one ceil(0.1 * 47)
-    assert CompressionSettings("vlcache", 0.1).layer_tokens_estimate(47, 3) == [9, 5, 1]
-    assert CompressionSettings("vlcache", 0.1, allocator="sparsity").layer_tokens_estimate(47, 3) == [5] * 3
+    assert CompressionSettings("vlcache", 0.1).layer_tokens_estimate(47, 3) == [5] * 3
     assert CompressionSettings("vlcache", 0.001).layer_tokens_estimate(47, 2) == [1, 1]
     policy = CompressionSettings("snapkv", 0.2, allocator="cake", exact_budget=True).build_policy()
     assert (policy.name, policy.allocator, policy.exact_budget) == ("snapkv", "cake", True)

@@ -4,6 +4,7 @@ never in a lost request."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -65,6 +66,9 @@ def test_three_gateways_lose_no_request(cluster):
     assert all(r.finished is not None and r.token_ids for r in results)
     routers = [g.servicer.router for g in cluster.gateways]
     # every gateway routed on pushed reports of both pools (the workers' WatchLoad streams)
+    deadline = time.time() + 3  # promises settle with each worker's next load report (at least every 1 s)
+    while time.time() < deadline and any(w.pending_blocks for r in routers for w in r.decode.values()):
+        time.sleep(0.02)
     for router in routers:
         assert all(w.load_at > float("-inf") and not w.polled for w in router.decode.values())
         assert all(w.load_at > float("-inf") and not w.polled for w in router.prefill.values())

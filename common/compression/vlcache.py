@@ -1,14 +1,16 @@
 """VL-Cache (paper 001, section 4): post-vision attention scores with sparsity-aware layer budgets.
 
 Statistics: rows ``m - tau .. m-1`` (the language tokens after the last vision token); with tau = 0 the
-last ``min(m, 8)`` rows (see ``base.post_vision_start``). A text-only prompt has tau = m, so every row
-is post-vision and the score becomes H2O's accumulated attention.
+last ``min(m, 8)`` rows (see ``selection.post_vision_start``). A text-only prompt (tau = m) has no
+post-vision text to tell it apart from the rest: its last ``text_window`` (32) tokens take that role, as
+SnapKV's observation window (they score the rest and are kept outright, up to the window's cap).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .allocators import Allocator, Pyramid
 from .base import Policy
 
 
@@ -19,14 +21,14 @@ class VLCachePolicy(Policy):
 
     Defaults chosen on the model zoo by the tuning protocol (``common/compression/README.md``): the
     post-vision window keeps the question's last tokens (up to half the budget), scores are max-pooled over
-    3 positions, and layer budgets decrease gently with depth (``pyramid``, beta 4).
-    Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is
-    ``allocator="sparsity"``; the paper's policy as first shipped is ``tools/eval/zoo.py``
-    ``PREVIOUS_DEFAULT``.
+    3 positions, and layer budgets decrease gently with depth (``Pyramid(beta=4.0)``). Algorithm 1 on the
+    post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is ``allocator=Sparsity()``; the paper's
+    policy as first shipped is the preset ``vlcache_paper`` (``presets.py``). Text-only prompts: a 32-token
+    observation window (SnapKV's paper default), kept outright like a question.
     """
 
     name = "vlcache"
-    allocator: str = "pyramid"
-    pyramid_beta: float = 4.0
+    allocator: Allocator = Pyramid(beta=4.0)
     pool_kernel: int = 3
     post_vision_window: bool = True
+    text_window: int = 0

@@ -53,7 +53,7 @@ def run_eval(args) -> int:
     )
     report = {
         "policy": args.policy,
-        "allocator": get_policy(args.policy, **params).allocator,
+        "allocator": get_policy(args.policy, **params).allocator.name,
         "budget": args.budget,
         "examples": len(prepared),
         "accuracy": res.accuracy,

@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from vlkv.common.compression.presets import preset_params
 from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
@@ -28,14 +29,9 @@ from vlkv.tools.zoo import MEMBERS, member
 ZOO_BUDGETS = (0.01, 0.02, 0.05, 0.10)
 BASELINES = tuple(p for p in POLICY_NAMES if p not in ("full", DEFAULT_POLICY))
 # (label, policy, params): vlcache's registered options, one change at a time from its defaults
-PREVIOUS_DEFAULT = {
-    "allocator": "sparsity",
-    "post_vision_cap": 0.5,
-    "post_vision_by_score": False,
-    "pool_kernel": 1,
-    "pyramid_beta": 20.0,
-}
-"""vlcache's settings before the zoo (#30): the protocol's "before" row."""
+PREVIOUS_DEFAULT = preset_params("vlcache_paper")
+"""vlcache's settings before the zoo (#30), the paper's own (``common/compression/presets.py``): the
+protocol's "before" row."""
 PREVIOUS_LABEL = "vlcache before the zoo"
 ABLATION = (
     ("vlcache (defaults)", "vlcache", {}),

@@ -1,0 +1,42 @@
+"""Named policies: settings with a name of their own, each a plain JSON dict (``Policy.to_dict``'s shape).
+
+``vlcache_paper``: VL-Cache as the paper defines it and as vlkv shipped it before the zoo (#30):
+Algorithm 1's sparsity budgets, the post-vision rows as the scoring window and the question kept outright
+(up to half a layer's budget, its last tokens), no pooling, and for a text-only prompt every row as
+post-vision (the paper's definition: tau = m). ``vlcache_default``: the ``vlcache`` policy as it is built
+with no options (the current default; its text-only handling included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Policy
+from .registry import policy_from_dict
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "vlcache_paper": {
+        "policy": "vlcache",
+        "allocator": {"name": "sparsity", "exact": False},
+        "post_vision_window": True,
+        "post_vision_cap": 0.5,
+        "post_vision_by_score": False,
+        "pool_kernel": 1,
+        "text_window": 0,
+    },
+    "vlcache_default": {"policy": "vlcache"},
+}
+
+
+def preset(name: str) -> Policy:
+    """The policy of preset ``name``; ValueError for an unknown one."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown compression preset {name!r}; choose from {', '.join(PRESETS)}")
+    return policy_from_dict(PRESETS[name])
+
+
+def preset_params(name: str) -> dict[str, Any]:
+    """``get_policy(policy, **params)`` keywords for preset ``name`` (every field, allocator as a dict)."""
+    data = preset(name).to_dict()
+    data.pop("policy")
+    return data

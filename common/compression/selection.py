@@ -1,0 +1,99 @@
+"""What a policy keeps outright, and how raw scores are shaped before the top-k: one place for the
+windows, the attention sinks and the pooling every policy shares.
+
+Per layer with budget ``k`` (``Policy.select``), in this order:
+- the post-vision window: the last ``min(tau, share)`` prompt tokens (the question), ``share`` from
+  :func:`post_vision_share` (or, ``by_score``, the question's best-scoring tokens);
+- the recent window: the ``recent_count(k)`` tokens right before it (the paper's 10%);
+- the sinks: the first ``sinks`` prompt tokens (StreamingLLM), as far as the budget left allows, earliest
+  first;
+- the rest: the top scores among the older tokens, per KV head.
+
+Scores (``shape_scores``): a column sum over the statistics rows, optionally divided by the number of those
+rows that see each key (``row_normalized``, ZipCache's normalisation), then max-pooled along positions
+(``pool_kernel``, SnapKV's clustering), then summed over each GQA group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .stats import group_sum, max_pool_positions, rows_seeing
+
+TAU0_WINDOW = 8  # query rows used when the prompt has no post-vision text (tau = 0)
+
+
+def post_vision_start(m: int, tau: int) -> int:
+    """First post-vision query row: ``m - tau``; with ``tau <= 0`` the last ``min(m, 8)`` rows instead."""
+    window = tau if tau > 0 else TAU0_WINDOW
+    return m - min(m, window)
+
+
+def recent_count(k: int, ratio: float = 0.1) -> int:
+    """Size of the always-kept recent window, ``ceil(ratio * k)`` (at most k)."""
+    return min(k, math.ceil(ratio * k - 1e-6 * max(1.0, ratio * k)))
+
+
+def post_vision_share(k: int, m: int, cap: float, slope: float) -> int:
+    """How many of a layer's ``k`` slots the post-vision window may take outright: ``floor(cap * k)``, or
+    with ``slope > 0`` ``floor(min(cap, slope * k / m) * k)``."""
+    if slope > 0:
+        cap = min(cap, slope * k / m)
+    return int(cap * k + 1e-9)
+
+
+def shape_scores(
+    col_sum: torch.Tensor, m: int, tq: int, kv_heads: int, *, row_normalized: bool, pool_kernel: int
+) -> torch.Tensor:
+    """``[H, m]`` column sums over ``tq`` query rows -> ``[H_kv, m]`` scores (see the module docstring)."""
+    col_sum = col_sum.float()
+    if row_normalized:
+        col_sum = col_sum / rows_seeing(m, tq, col_sum.device)
+    return group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads)
+
+
+def _top(scores: torch.Tensor, end: int, count: int, sinks: int) -> torch.Tensor:
+    """``count`` positions below ``end`` per head: the first ``sinks`` (earliest first when they do not all
+    fit), then the top scores."""
+    if sinks and count <= min(sinks, end):
+        return torch.arange(count, device=scores.device).expand(scores.shape[0], count)
+    if sinks:  # every sink wins the top-k below
+        scores = scores.clone()
+        scores[:, :sinks] = math.inf
+    return scores[:, :end].topk(count, dim=-1).indices
+
+
+def keep(
+    scores: torch.Tensor,
+    k: int,
+    tau: int,
+    *,
+    recent_ratio: float,
+    window: int,
+    by_score: bool,
+    sinks: int,
+) -> torch.Tensor:
+    """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
+
+    window: the post-vision window's size (0: none; at most tau, used only when ``0 < tau < m``).
+    by_score: with a question longer than ``window``, its slots go to its best-scoring tokens and the
+    recent window sits right before the question. NaN scores rank last.
+    """
+    kv_heads, m = scores.shape
+    if not 1 <= k <= m:
+        raise ValueError(f"budget {k} outside [1, m={m}]")
+    scores = scores.float().nan_to_num(nan=-math.inf)
+    recent = recent_count(k, recent_ratio)
+    window = min(tau, window) if 0 < tau < m else 0
+    if by_score and 0 < window < tau:
+        recent = min(recent, k - window, m - tau)
+        own = scores[:, m - tau :].topk(window, dim=-1).indices + (m - tau)
+        tail = torch.arange(m - tau - recent, m - tau, device=scores.device).expand(kv_heads, recent)
+        top = _top(scores, m - tau - recent, k - window - recent, sinks)
+        return torch.cat([top, tail, own], dim=-1).sort(dim=-1).values
+    recent = min(k, window + recent)
+    tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
+    top = _top(scores, m - recent, k - recent, sinks)
+    return torch.cat([top, tail], dim=-1).sort(dim=-1).values

@@ -1,0 +1,118 @@
+"""Policies as composable parts: allocators hold their own parameters, every policy / allocator / preset
+round-trips through a plain JSON dict with validation, and the flat keywords build the same policies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from vlkv.common.compression import (
+    POLICY_NAMES,
+    PRESETS,
+    Coverage,
+    Mixed,
+    Pyramid,
+    Sparsity,
+    Uniform,
+    allocator_from_dict,
+    allocator_names,
+    get_allocator,
+    get_policy,
+    policy_from_dict,
+    preset,
+    preset_params,
+)
+
+from tests.test_compression_policies import TAU, L, M, make_inputs, stats_for
+
+
+def assert_same_plans(a, b, seed: int, alpha: float = 0.2) -> None:
+    qs, ks, vs = make_inputs(4, 2, seed=seed)
+    stats = stats_for(a, qs, ks)
+    plans = [p.plan(stats, ks, vs, alpha=alpha, m=M, tau=TAU) for p in (a, b)]
+    assert all(torch.equal(x, y) for x, y in zip(*plans, strict=True))
+
+
+@pytest.mark.parametrize("name", allocator_names())
+def test_every_allocator_round_trips(name):
+    default = get_allocator(name)
+    data = json.loads(json.dumps(default.to_dict()))
+    assert data["name"] == name and allocator_from_dict(data) == default
+
+
+@pytest.mark.parametrize("allocator", allocator_names())
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_round_trips_and_plans_the_same(name, allocator):
+    policy = get_policy(name, allocator=allocator)
+    again = policy_from_dict(json.loads(json.dumps(policy.to_dict())))
+    assert again == policy and again.allocator.name == allocator
+    assert_same_plans(policy, again, seed=11)
+
+
+@pytest.mark.parametrize(
+    ("flat", "composed"),
+    [
+        ({"pyramid_beta": 2.0}, {"allocator": Pyramid(beta=2.0)}),
+        ({"allocator": "pyramid"}, {"allocator": Pyramid(beta=4.0)}),  # vlcache's own pyramid keeps beta 4
+        ({"allocator": "mixed", "adaptive_weight": 0.5}, {"allocator": Mixed(weight=0.5)}),
+        ({"allocator": "coverage", "coverage_mass": 0.7}, {"allocator": Coverage(mass=0.7)}),
+        ({"allocator": "sparsity", "exact_budget": True}, {"allocator": Sparsity(exact=True)}),
+        ({"allocator": "uniform", "pyramid_beta": 3.0}, {"allocator": Uniform()}),  # another kind's: ignored
+        ({"allocator": {"name": "pyramid", "beta": 2.0}}, {"allocator": Pyramid(beta=2.0)}),
+    ],
+)
+def test_flat_keywords_build_the_composed_policy(flat, composed):
+    a, b = get_policy("vlcache", **flat), get_policy("vlcache", **composed)
+    assert a == b
+    qs, ks, vs = make_inputs(4, 2, seed=12)
+    stats = stats_for(a, qs, ks)
+    assert a.allocate(stats, 0.1, M, L) == b.allocate(stats, 0.1, M, L)
+
+
+def test_snapkv_with_a_pyramid_name_gets_pyramidkvs_allocator():
+    assert (
+        get_policy("snapkv", allocator="pyramid").allocator == get_policy("pyramidkv").allocator == Pyramid()
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"policy": "vlcache", "pool_kernell": 3}, "unknown option.*'pool_kernell'"),
+        ({"policy": "vlcache", "pool_kernel": 4}, "pool_kernel must be a positive odd"),
+        ({"policy": "vlcache", "pool_kernel": 3.0}, r"pool_kernel: expected int"),
+        ({"policy": "vlcache", "post_vision_window": 1}, "expected bool"),
+        ({"policy": "vlcache", "post_vision_cap": 2}, "post_vision_cap must be in"),
+        ({"policy": "vlcache", "allocator": {"name": "pyramid", "beta": 0.5}}, "beta must be >= 1"),
+        ({"policy": "vlcache", "allocator": {"name": "pyramid", "b": 2}}, "unknown option.*'b'"),
+        ({"policy": "vlcache", "allocator": {"name": "magic"}}, "unknown allocator 'magic'"),
+        ({"policy": "vlcache", "allocator": {"name": "mixed", "weight": "x"}}, "expected float"),
+        ({"policy": "magic"}, "unknown compression policy 'magic'"),
+        ({"pool_kernel": 3}, "'policy' name"),
+        ({"policy": "snapkv", "window": 0}, "window must be >= 1"),
+        ({"policy": "h2o", "window": 8}, "unknown option.*'window'"),
+    ],
+)
+def test_bad_dicts_are_clear_errors(data, message):
+    with pytest.raises(ValueError, match=message):
+        policy_from_dict(data)
+
+
+def test_presets_are_policies_and_the_paper_preset_is_the_zoo_before_row():
+    for name in PRESETS:
+        assert policy_from_dict(preset(name).to_dict()) == preset(name)
+    paper = preset("vlcache_paper")
+    assert paper.allocator == Sparsity() and paper.pool_kernel == 1 and paper.post_vision_window
+    assert get_policy("vlcache", **preset_params("vlcache_paper")) == paper
+    assert preset("vlcache_default") == get_policy("vlcache")
+    # the zoo's "before" row as it was spelled before the preset existed
+    legacy = {
+        "allocator": "sparsity",
+        "post_vision_cap": 0.5,
+        "post_vision_by_score": False,
+        "pool_kernel": 1,
+    }
+    assert_same_plans(get_policy("vlcache", pyramid_beta=20.0, **legacy), paper, seed=13, alpha=0.1)
+    with pytest.raises(ValueError, match="unknown compression preset"):
+        preset("nope")

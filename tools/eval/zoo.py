@@ -63,16 +63,16 @@ def _configs(ablation: bool) -> list[tuple[str, str, dict]]:
 def run_member(name: str, n: int, seed: int, split: str, configs, budgets, api: bool = False) -> dict:
     """One member's rows: ``{"full": acc, "rows": {label: {budget: acc}}, "api": {...}}``."""
     mod = member(name)
-    path = str(mod.MODEL_DIR)
+    path = str(mod.model_dir)
     model = load_model(ModelConfig(path=path))
     processor = load_processor(path)
     examples = mod.make_examples(n, seed=seed, split=split)
     prepared = prepare(model, processor, examples, progress=True, task=mod)
-    full = evaluate(model, processor, prepared, "full", 1.0, mod.MAX_NEW_TOKENS)
+    full = evaluate(model, processor, prepared, "full", 1.0, mod.max_new_tokens)
     out: dict = {"full": full.accuracy, "m": sum(p.m for p in prepared) / len(prepared), "rows": {}}
     answers: dict = {}
     for b in track(budgets, desc=f"{name}", unit="budget"):
-        accs = evaluate_many(model, processor, prepared, configs, b, mod.MAX_NEW_TOKENS, answers)
+        accs = evaluate_many(model, processor, prepared, configs, b, mod.max_new_tokens, answers)
         for label, acc in accs.items():
             out["rows"].setdefault(label, {})[str(b)] = acc
     if api:
@@ -116,7 +116,7 @@ def _api_check(mod, model, processor, examples, budgets, answers) -> dict:
     from vlkv.common.config import ServerConfig
     from vlkv.tools.eval.api_check import _ask_all, _serve
 
-    cfg = ServerConfig(model=ModelConfig(path=str(mod.MODEL_DIR)))
+    cfg = ServerConfig(model=ModelConfig(path=str(mod.model_dir)))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -125,7 +125,7 @@ def _api_check(mod, model, processor, examples, budgets, answers) -> dict:
     try:
         address = servers[2].address
         for b in budgets:
-            texts = _ask_all(address, examples, DEFAULT_POLICY, b, mod.MAX_NEW_TOKENS, 4)
+            texts = _ask_all(address, examples, DEFAULT_POLICY, b, mod.max_new_tokens, 4)
             acc = sum(mod.is_correct(t, ex) for t, ex in zip(texts, examples, strict=True)) / len(examples)
             differ = sum(t.strip() != a.strip() for t, a in zip(texts, answers[b], strict=True))
             result[str(b)] = {"accuracy": acc, "differ": differ}
@@ -158,7 +158,7 @@ def render(results: dict, budgets, command: str, split: str, n: int, seconds: fl
     rule = "| --- |" + " --- |" * len(budgets)
     for name, r in results.items():
         mod = member(name)
-        md += [f"## {name}", "", f"{mod.GEOMETRY}; mean prompt {r['m']:.0f} tokens.", ""]
+        md += [f"## {name}", "", f"{mod.geometry}; mean prompt {r['m']:.0f} tokens.", ""]
         md += [f"Full cache: {r['full']:.3f}. Accuracy (relative to full in brackets):", "", head, rule]
         for label, by_b in r["rows"].items():
             cells = [

@@ -56,7 +56,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
-from vlkv.tools.progress import progress
 
 IMAGE_SIZE = 336
 PATCH_SIZE = 14
@@ -125,7 +124,10 @@ VOCAB: list[str] = list(
 )
 """All task words (the tokenizer adds the special tokens and the chat-frame words)."""
 
-DECIDING_WORDS = set(COLOURS) | set(NUMBERS.values()) | set(VERDICTS)
+DECIDING_WORDS = frozenset(COLOURS) | frozenset(NUMBERS.values()) | frozenset(VERDICTS)
+"""The words this task scores (shape words are keys the answer repeats)."""
+CONTENT_WORDS = frozenset(COLOURS) | frozenset(SHAPES)
+"""The words the zoo's other members score: colours and shapes."""
 
 
 @dataclass(frozen=True)
@@ -276,10 +278,13 @@ def _texture(shape: str, rgb: tuple[int, int, int], box: int = BOX) -> Image.Ima
     return tile
 
 
-def render_image(objects: list[Obj], rng: random.Random, g: Geometry = FULL) -> Image.Image:
-    """Draw objects on a plain background; background and colours get a small jitter."""
+def render_image(
+    objects: list[Obj], rng: random.Random, g: Geometry = FULL, size: tuple[int, int] | None = None
+) -> Image.Image:
+    """Draw objects (each ``g.span`` patches wide) on a plain background of ``size`` (width, height; default
+    ``g.image`` square); background and colours get a small jitter."""
     bg = tuple(max(0, min(255, v + rng.randint(-6, 6))) for v in BACKGROUND)
-    img = Image.new("RGB", (g.image, g.image), bg)
+    img = Image.new("RGB", size or (g.image, g.image), bg)
     box = g.box
     draw = ImageDraw.Draw(img)
     for obj in objects:
@@ -327,8 +332,9 @@ def patch_labels(objects: list[Obj], min_cover: float = 0.3) -> list[Obj | None]
     return out
 
 
-def _place(rng: random.Random, pairs: list[tuple[str, str]], g: Geometry = FULL) -> list[Obj]:
-    """Non-overlapping span x span placements (top-left patch cells) for (shape, colour) pairs."""
+def place(rng: random.Random, pairs: list[tuple[str, str]], g: Geometry = FULL) -> list[Obj]:
+    """Non-overlapping ``g.span`` x ``g.span`` placements (top-left patch cells) for (shape, colour) pairs,
+    aligned to patch boundaries."""
     n, span = g.grid, g.span
     while True:  # greedy placement can (rarely) paint itself into a corner: start over
         free = [(r, c) for r in range(n - span + 1) for c in range(n - span + 1)]
@@ -353,7 +359,7 @@ def _scene(
     """n objects with pairwise distinct shapes and colours, none of ``avoid_shape`` / ``avoid_colour``."""
     shapes = rng.sample([s for s in SHAPES if s != avoid_shape], n)
     colours = rng.sample([c for c in COLOURS if c != avoid_colour], n)
-    return _place(rng, list(zip(shapes, colours, strict=True)), g)
+    return place(rng, list(zip(shapes, colours, strict=True)), g)
 
 
 # --- examples -------------------------------------------------------------------------------------------
@@ -376,7 +382,7 @@ def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = 
         rest = _scene(rng, n_with - 1, target.shape, target.colour, g)
         pairs = [(o.shape, o.colour) for o in rest] + [(target.shape, target.colour)]
         rng.shuffle(pairs)
-        with_target = _place(rng, pairs, g)
+        with_target = place(rng, pairs, g)
         # the other image has no shape of the key's kind (its colours may repeat the target's)
         other = _scene(rng, n_other, target.shape, None, g)
         first = rng.randrange(2) == 0
@@ -389,7 +395,7 @@ def _example(rng: random.Random, kind: str, max_objects: int = 4, g: Geometry = 
         colours = rng.sample(list(COLOURS), n)
         if rng.randrange(2) == 0:  # half the scenes give the two asked shapes one colour
             colours[1] = colours[0]
-        objs = _place(rng, list(zip(shapes, colours, strict=True)), g)
+        objs = place(rng, list(zip(shapes, colours, strict=True)), g)
         rng.shuffle(objs)
         a, b = next(o for o in objs if o.shape == shapes[0]), next(o for o in objs if o.shape == shapes[1])
         if rng.randrange(2) == 0:
@@ -437,60 +443,26 @@ def make_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
 _WORD_RE = re.compile(r"[a-z]+")
 
 
-def deciding_words(text: str) -> list[str]:
-    """The deciding words (colours, numbers, the unused verdicts) of ``text``, in order."""
-    return [w for w in _WORD_RE.findall(text.lower()) if w in DECIDING_WORDS]
+def deciding_words(text: str, scored: frozenset[str] = DECIDING_WORDS) -> list[str]:
+    """The ``scored`` words of ``text`` (by default the deciding words: colours, numbers, the unused
+    verdicts), in order."""
+    return [w for w in _WORD_RE.findall(text.lower()) if w in scored]
 
 
-def is_correct(generated_text: str, example: Example) -> bool:
-    """True iff the deciding words of the generated text are exactly those of the reference answer.
+def is_correct(generated_text: str, example: Example, scored: frozenset[str] = DECIDING_WORDS) -> bool:
+    """True iff the ``scored`` words of the generated text are exactly those of the reference answer, in
+    order: the one scoring of this task and of every zoo member (``tools/zoo/interface.py``).
 
-    Shape words are keys the answer repeats and are not scored. ``generated_text`` is the decoded
+    By default shape words are keys the answer repeats and are not scored. ``generated_text`` is the decoded
     continuation (special tokens may or may not be stripped; text after the first eos is ignored).
     """
     text = generated_text.split("</s>")[0]
-    return deciding_words(text) == deciding_words(example.answer)
+    return deciding_words(text, scored) == deciding_words(example.answer, scored)
 
 
-# --- evaluation helpers (transformers imported lazily so the generator stays light) ----------------------
+# --- prompts --------------------------------------------------------------------------------------------
 
 
 def prompt_text(processor, example: Example) -> str:
+    """The rendered prompt: the checkpoint's chat template over the example's one user turn."""
     return processor.apply_chat_template(example.messages, add_generation_prompt=True)
-
-
-def generate_answer(model, processor, example: Example, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
-    """Greedy full-cache answer (decoded continuation, special tokens stripped)."""
-    import torch
-
-    inputs = processor(images=example.images, text=prompt_text(processor, example), return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def evaluate(
-    model, processor, examples: list[Example], max_new_tokens: int = MAX_NEW_TOKENS
-) -> tuple[float, dict[str, float]]:
-    """Greedy full-cache accuracy overall and per kind."""
-    hits: Counter[str] = Counter()
-    totals: Counter[str] = Counter()
-    for ex in progress(examples, desc="evaluate", unit="example"):
-        text = generate_answer(model, processor, ex, max_new_tokens)
-        totals[ex.kind] += 1
-        hits[ex.kind] += is_correct(text, ex)
-    acc = sum(hits.values()) / max(1, sum(totals.values()))
-    return acc, {k: hits[k] / totals[k] for k in sorted(totals)}
-
-
-def evaluate_full_cache(
-    model_dir: str, n: int = 200, seed: int = 0, max_new_tokens: int = MAX_NEW_TOKENS
-) -> float:
-    """Held-out accuracy of the saved model in ``model_dir``: greedy decoding with the full KV cache."""
-    import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    acc, _ = evaluate(model, processor, make_examples(n, seed, "heldout"), max_new_tokens)
-    return acc

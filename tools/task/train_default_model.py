@@ -55,13 +55,14 @@ from vlkv.tools.task.synthetic_task import (
     SYSTEM_PROMPT,
     VOCAB,
     Example,
-    evaluate,
     make_example,
     make_examples,
     patch_labels,
     scene_questions,
 )
 from vlkv.tools.task.tiny_llava import build_processor, build_tiny, tokens_per_image
+from vlkv.tools.zoo.accuracy import full_cache_accuracy
+from vlkv.tools.zoo.default import MEMBER
 
 DEFAULTS = dict(
     steps=2400,
@@ -392,7 +393,9 @@ def train(args: argparse.Namespace) -> dict:
             )
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
-            acc, per = evaluate(model, processor, make_examples(100, args.eval_seed + 1, "heldout"))
+            acc, per = full_cache_accuracy(
+                MEMBER, model, processor, make_examples(100, args.eval_seed + 1, "heldout")
+            )
             print(
                 f"  eval@{step}: acc {acc:.3f} {json.dumps({k: round(v, 3) for k, v in per.items()})}",
                 flush=True,
@@ -406,14 +409,18 @@ def train(args: argparse.Namespace) -> dict:
     model.eval()
 
     t1 = time.time()
-    acc, per_kind = evaluate(model, processor, make_examples(args.eval_n, args.eval_seed, "heldout"))
+    acc, per_kind = full_cache_accuracy(
+        MEMBER, model, processor, make_examples(args.eval_n, args.eval_seed, "heldout")
+    )
     eval_time = time.time() - t1
     print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_time:.1f}s): {per_kind}", flush=True)
     long_examples = [
         make_example(i, args.eval_seed, "heldout", kind=LONG_KIND) for i in range(args.long_eval_n)
     ]
     long_acc, _ = (
-        evaluate(model, processor, long_examples, LONG_MAX_NEW_TOKENS) if long_examples else (0.0, {})
+        full_cache_accuracy(MEMBER, model, processor, long_examples, LONG_MAX_NEW_TOKENS)
+        if long_examples
+        else (0.0, {})
     )
     print(f"held-out accuracy of the long kind {long_acc:.4f} on {args.long_eval_n}", flush=True)
 
@@ -529,8 +536,8 @@ def write_training_md(path: Path, rec: dict) -> None:
         f"67th token; `vlkv eval --kv-table`), max_new_tokens={LONG_MAX_NEW_TOKENS}, n={long['n']}: "
         f"**{long['accuracy']:.4f}**",
         "",
-        "Reproduce the accuracy with `vlkv.tools.task.synthetic_task.evaluate_full_cache(dir, n, seed)`; the",
-        "compressed accuracy with `vlkv eval --table -n 300`.",
+        "Reproduce the accuracy with `python -m vlkv.tools.zoo.accuracy default -n 300`; the compressed",
+        "accuracy with `vlkv eval --table -n 300`.",
         "",
         "```json",
         json.dumps(rec, indent=1),

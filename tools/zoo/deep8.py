@@ -28,16 +28,18 @@ import time
 from pathlib import Path
 
 import torch
-from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
+from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Obj
 from vlkv.tools.zoo import next_scenes as ns
-from vlkv.tools.zoo.next_scenes import Placed, is_correct, prompt_text
+from vlkv.tools.zoo.accuracy import full_cache_accuracy
+from vlkv.tools.zoo.interface import Member
+from vlkv.tools.zoo.scenes import PATCH, example_rng, qa_one, qa_two, render
+from vlkv.tools.zoo.sparsity import layer_sparsities
 
 NAME = "deep8"
-MODEL_DIR = Path(__file__).resolve().parent / "models" / NAME
 MAX_NEW_TOKENS = 12  # "the red cross and the blue circle ." is 8 tokens + eos
 SIZE = 336
 LOW_SIZE = 168  # training stage 0: 12 x 12 patches
-GRID = SIZE // ns.PATCH  # 24
+GRID = SIZE // PATCH  # 24
 SPAN = 5
 CORNER_JITTER = 2  # an object's top-left cell lies within 2 patches of its corner's extreme place
 LAYER_MAP = (0, 0, 1, 1, 2, 2, 3, 3)  # default-model layer each of the 8 layers starts from
@@ -48,8 +50,6 @@ GEOMETRY = (
 )
 KIND = "colours_of_two_far"
 SINGLE = "colour_of_shape"  # training's warm-up kind: one key
-
-__all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
 
 
 def corner_cells(
@@ -71,31 +71,39 @@ def make_example(
     about one corner object; ``low``, a 168 x 168 image (12 x 12 patches, objects 3 x 3 patches, no centre
     object); ``corners``, fewer occupied corners (a ``single`` question only)."""
     tag = ("-single" if single else "") + ("-low" if low else "") + (f"-{corners}" if corners != 4 else "")
-    rng = ns.example_rng(NAME + tag, split, seed, index)
+    rng = example_rng(NAME + tag, split, seed, index)
     size, span, jitter = (LOW_SIZE, 3, 1) if low else (SIZE, SPAN, CORNER_JITTER)
-    grid = size // ns.PATCH
+    grid = size // PATCH
     cells = corner_cells(rng, grid, span, jitter)
     first = rng.randrange(4)
     cells = [cells[(first + k) % 4] for k in (0, 2, 1, 3)][:corners]  # opposite corners first
     colours = rng.sample(list(COLOURS), len(cells))
     shapes = rng.sample(SHAPES, len(cells))
-    items = [Placed(s, c, cell, span) for s, c, cell in zip(shapes, colours, cells, strict=True)]
+    objs = [Obj(s, c, cell) for s, c, cell in zip(shapes, colours, cells, strict=True)]
     if single:
-        a = rng.choice(items[:corners])
-        question, answer = ns.qa_one(a)
+        a = rng.choice(objs[:corners])
+        question, answer = qa_one(a)
         focus, kind, target = [a], SINGLE, a.colour
     else:
-        a, b = items[0], items[1]  # opposite corners
-        question, answer = ns.qa_two(a, b)
+        a, b = objs[0], objs[1]  # opposite corners
+        question, answer = qa_two(a, b)
         focus, kind, target = [a, b], KIND, b.colour
-    image = ns.render(items, size, size, rng)
-    objs = [it.obj() for it in items]
-    return Example([image], question, answer, target, "colour", kind, [objs], [(0, f.obj()) for f in focus])
+    image = render(objs, rng, span, size, size)
+    return Example([image], question, answer, target, "colour", kind, [objs], [(0, f) for f in focus])
 
 
 def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
     """``n`` deterministic two-key examples of ``split`` (``"train"`` or ``"heldout"``, disjoint seed spaces)."""
     return [make_example(i, seed, split) for i in range(n)]
+
+
+MEMBER = Member(
+    name=NAME,
+    model_dir=Path(__file__).resolve().parent / "models" / NAME,
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry=GEOMETRY,
+    make_examples=make_examples,
+)
 
 
 def build_model(seed: int):
@@ -136,7 +144,7 @@ def train(args: argparse.Namespace) -> dict:
     model = build_model(args.seed)
     n_params = sum(p.numel() for p in model.parameters())
 
-    low_proc = tiny_processor(processor.tokenizer, image_size=LOW_SIZE, patch_size=ns.PATCH)
+    low_proc = tiny_processor(processor.tokenizer, image_size=LOW_SIZE, patch_size=PATCH)
     low_proc.chat_template = processor.chat_template
     model.model.vision_tower.embeddings.register_forward_pre_hook(
         lambda mod, a, kw: (a, {**kw, "interpolate_pos_encoding": True}), with_kwargs=True
@@ -156,7 +164,7 @@ def train(args: argparse.Namespace) -> dict:
     def peek(step: int) -> None:
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
-            acc, _ = ns.evaluate(model, processor, make_examples(50, 1, "heldout"), MAX_NEW_TOKENS)
+            acc, _ = full_cache_accuracy(MEMBER, model, processor, make_examples(50, 1, "heldout"))
             print(f"  eval@{step}: {acc:.3f}", flush=True)
 
     t0 = time.time()
@@ -172,10 +180,10 @@ def train(args: argparse.Namespace) -> dict:
     )
     train_s = time.time() - t0
     t1 = time.time()
-    acc, per_kind = ns.evaluate(model, processor, make_examples(args.eval_n, 0, "heldout"), MAX_NEW_TOKENS)
+    acc, per_kind = full_cache_accuracy(MEMBER, model, processor, make_examples(args.eval_n, 0, "heldout"))
     eval_s = time.time() - t1
     print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_s:.0f}s)", flush=True)
-    sparsity = ns.layer_sparsities(model, processor, make_examples(args.sparsity_n, 0, "heldout"))
+    sparsity = layer_sparsities(model, processor, make_examples(args.sparsity_n, 0, "heldout"))
     print("per-layer post-vision sparsity (p=0.01):", [round(x, 3) for x in sparsity], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

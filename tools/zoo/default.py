@@ -1,14 +1,20 @@
-"""Zoo member ``default``: the embedded default model on its own synthetic task (``tools/task``)."""
+"""Zoo member ``default``: the embedded default model on its own synthetic task (``tools/task``); trained by
+``python -m vlkv.tools.task.train_default_model``, with an eviction-robust last stage."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, is_correct, make_examples, prompt_text
+from vlkv.tools.task.synthetic_task import DECIDING_WORDS, MAX_NEW_TOKENS, make_examples
+from vlkv.tools.zoo.interface import Member
 
-NAME = "default"
-MODEL_DIR = Path(DEFAULT_MODEL_DIR)
-GEOMETRY = "LLaVA-1.5, 576 vision tokens/image (24x24), 4 layers, GQA 4/2; 1-2 images, short question after"
-
-__all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
+MEMBER = Member(
+    name="default",
+    model_dir=Path(DEFAULT_MODEL_DIR),
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry="LLaVA-1.5, 576 vision tokens/image (24x24), 4 layers, GQA 4/2; 1-2 images, short question after",
+    make_examples=make_examples,
+    scored=DECIDING_WORDS,
+    eviction_trained=True,
+)

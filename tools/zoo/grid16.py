@@ -23,16 +23,14 @@ joining at 30%.
 
 from __future__ import annotations
 
-import random
-import re
 from pathlib import Path
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Geometry
-from vlkv.tools.zoo.scenes import place, render_shapes
-from vlkv.tools.zoo.training import Arch, Member, prompt_text, train_member
+from vlkv.tools.zoo.interface import Member
+from vlkv.tools.zoo.scenes import example_rng, place, render_image
+from vlkv.tools.zoo.training import Arch, Recipe, train_member
 
 NAME = "grid16"
-MODEL_DIR = Path(__file__).resolve().parent / "models" / NAME
 GEOM = Geometry(image=224, patch=14, span=4)  # 16 x 16 patches; a shape covers 4 x 4 of them
 MAX_NEW_TOKENS = 10  # the longest answer is 8 words + eos
 GEOMETRY = (
@@ -49,14 +47,7 @@ QUESTIONS = {
 WORDS: list[str] = list(
     dict.fromkeys("which what shape shapes is are the one ones and".split() + [*COLOURS, *SHAPES, "?", "."])
 )
-SCORED = set(COLOURS) | set(SHAPES)
 ARCH = Arch(geometry=GEOM, layers=4, hidden=128, heads=4, kv_heads=4, rope_theta=1e6)
-
-
-def _rng(split: str, seed: int, index: int) -> random.Random:
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # SHA-512 of the string: disjoint splits
 
 
 def make_example(
@@ -64,7 +55,7 @@ def make_example(
 ) -> Example:
     """The ``index``-th example of the stream ``(split, seed)``; ``kind`` forces a kind, ``max_objects``
     caps the scene (training's warm-up)."""
-    rng = _rng(split, seed, index)
+    rng = example_rng(NAME, split, seed, index)
     drawn = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
     kind = kind or drawn
     lo = 2 if kind == "shapes_of_two_colours" else 1
@@ -75,7 +66,7 @@ def make_example(
     template = rng.choice(QUESTIONS[kind])
     question = template.format(a=asked[0].colour, b=asked[-1].colour)
     answer = " and ".join(f"the {o.colour} {o.shape}" for o in asked) + " ."
-    image = render_shapes(objs, rng, GEOM)
+    image = render_image(objs, rng, GEOM)
     return Example([image], question, answer, asked[-1].shape, "shape", kind, [objs], [(0, o) for o in asked])
 
 
@@ -92,30 +83,23 @@ def train_example(index: int, frac: float) -> Example:
     return make_example(index, 0, "train", kind=kind, max_objects=max_objects)
 
 
-def scored_words(text: str) -> list[str]:
-    return [w for w in re.findall(r"[a-z]+", text.lower()) if w in SCORED]
-
-
-def is_correct(generated_text: str, example: Example) -> bool:
-    """True iff the colour and shape words of the generated text (up to the first eos) are the answer's."""
-    return scored_words(generated_text.split("</s>")[0]) == scored_words(example.answer)
-
-
 MEMBER = Member(
     name=NAME,
+    model_dir=Path(__file__).resolve().parent / "models" / NAME,
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry=GEOMETRY,
+    make_examples=make_examples,
+)
+RECIPE = Recipe(
+    member=MEMBER,
     words=WORDS,
     system_prompt=None,
     arch=ARCH,
     object_kinds=tuple(SHAPES),
     train_example=train_example,
-    make_examples=make_examples,
-    is_correct=is_correct,
-    max_new_tokens=MAX_NEW_TOKENS,
     steps=800,
     probe_steps=50,
 )
 
-__all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
-
 if __name__ == "__main__":
-    train_member(MEMBER)
+    train_member(RECIPE)

@@ -33,16 +33,15 @@ the silhouette too: a linear probe named a card's pattern on 0.62 of its patches
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Geometry
 from vlkv.tools.zoo import grid16
-from vlkv.tools.zoo.scenes import place, render_shapes
-from vlkv.tools.zoo.training import Arch, Member, prompt_text, train_member
+from vlkv.tools.zoo.interface import Member
+from vlkv.tools.zoo.scenes import example_rng, place, render_image
+from vlkv.tools.zoo.training import Arch, Recipe, train_member
 
 NAME = "longprompt"
-MODEL_DIR = Path(__file__).resolve().parent / "models" / NAME
 GEOM = Geometry(image=168, patch=14, span=4)  # 12 x 12 patches; a shape covers 4 x 4 of them
 MAX_NEW_TOKENS = 8  # the answer is 4 words + eos
 MAX_OBJECTS = 4
@@ -95,14 +94,7 @@ GEOMETRY = (
 _TEXT = " ".join([SYSTEM_PROMPT, *FILLERS, *KEY_SENTENCES, CLOSING])
 # grid16's words first (training starts from grid16's checkpoint, whose rows the shared words keep)
 WORDS: list[str] = list(dict.fromkeys([*grid16.WORDS, *(w for w in _TEXT.split() if "{" not in w)]))
-SCORED = set(COLOURS) | set(SHAPES)
 ARCH = Arch(geometry=GEOM, layers=4, hidden=128, heads=4, kv_heads=4, rope_theta=1e6)  # grid16's decoder
-
-
-def _rng(split: str, seed: int, index: int) -> random.Random:
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # SHA-512 of the string: disjoint splits
 
 
 def long_question(rng: random.Random, colour: str, min_tokens: int = MIN_QUESTION_TOKENS) -> tuple[str, int]:
@@ -130,14 +122,14 @@ def make_example(
 ) -> Example:
     """The ``index``-th example of the stream ``(split, seed)``; ``max_objects`` and ``min_question_tokens``
     shrink the scene and the message (training's warm-up)."""
-    rng = _rng(split, seed, index)
+    rng = example_rng(NAME, split, seed, index)
     n = rng.randint(1, max_objects)
     colours = rng.sample(list(COLOURS), n)
     objs = place(rng, [(rng.choice(SHAPES), c) for c in colours], GEOM)
     obj = rng.choice(objs)
     question, _ = long_question(rng, obj.colour, min_question_tokens)
     answer = f"the {obj.colour} {obj.shape} ."
-    image = render_shapes(objs, rng, GEOM)
+    image = render_image(objs, rng, GEOM)
     return Example([image], question, answer, obj.shape, "shape", KIND, [objs], [(0, obj)])
 
 
@@ -155,33 +147,26 @@ def train_example(index: int, frac: float) -> Example:
     return make_example(index, 0, "train", max_objects=max_objects, min_question_tokens=max(0, min_tokens))
 
 
-def scored_words(text: str) -> list[str]:
-    return [w for w in re.findall(r"[a-z]+", text.lower()) if w in SCORED]
-
-
-def is_correct(generated_text: str, example: Example) -> bool:
-    """True iff the colour and shape words of the generated text (up to the first eos) are the answer's."""
-    return scored_words(generated_text.split("</s>")[0]) == scored_words(example.answer)
-
-
 MEMBER = Member(
     name=NAME,
+    model_dir=Path(__file__).resolve().parent / "models" / NAME,
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry=GEOMETRY,
+    make_examples=make_examples,
+)
+RECIPE = Recipe(
+    member=MEMBER,
     words=WORDS,
     system_prompt=SYSTEM_PROMPT,
     arch=ARCH,
     object_kinds=tuple(SHAPES),
     train_example=train_example,
-    make_examples=make_examples,
-    is_correct=is_correct,
-    max_new_tokens=MAX_NEW_TOKENS,
     steps=160,
     probe_steps=0,
     lr=5e-4,
     warmup=20,
-    init_from=grid16.MODEL_DIR,
+    init_from=grid16.MEMBER.model_dir,
 )
 
-__all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
-
 if __name__ == "__main__":
-    train_member(MEMBER)
+    train_member(RECIPE)

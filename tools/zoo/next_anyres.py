@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
 from vlkv.tools.zoo import next_scenes as ns
-from vlkv.tools.zoo.next_scenes import Placed, is_correct, prompt_text
+from vlkv.tools.zoo.accuracy import full_cache_accuracy
+from vlkv.tools.zoo.interface import Member
+from vlkv.tools.zoo.scenes import PATCH, Obj, example_rng, free_cells, qa_one, render
 
 NAME = "next_anyres"
-MODEL_DIR = Path(__file__).resolve().parent / "models" / NAME
 MAX_NEW_TOKENS = 8  # "the red cross ." is 4 tokens + eos
 TILE = 336
 SPAN = 3  # patches per object side
@@ -45,8 +46,6 @@ GEOMETRY = (
 )
 KIND = "colour_of_small_shape"
 
-__all__ = ["GEOMETRY", "MAX_NEW_TOKENS", "MODEL_DIR", "NAME", "is_correct", "make_examples", "prompt_text"]
-
 
 def make_example(
     index: int, seed: int = 0, split: str = "train", square: int = 0, max_objects: int = 4
@@ -54,27 +53,35 @@ def make_example(
     """The ``index``-th example of the stream ``(split, seed)``. ``square``: instead a ``square`` x ``square``
     image with 1 to ``max_objects`` objects (training's plain-LLaVA stages: what a full-resolution tile
     shows)."""
-    rng = ns.example_rng(NAME + (f"-{square}" if square else ""), split, seed, index)
+    rng = example_rng(NAME + (f"-{square}" if square else ""), split, seed, index)
     wide = rng.randrange(2) == 0
     width, height = (square, square) if square else (2 * TILE, TILE) if wide else (TILE, 2 * TILE)
-    rows, cols = height // ns.PATCH, width // ns.PATCH
+    rows, cols = height // PATCH, width // PATCH
     n = rng.randint(1, max_objects) if square else rng.randint(3, 4)
     colours = rng.sample(list(COLOURS), n)
     shapes = rng.sample(SHAPES, n)
-    items: list[Placed] = []
+    objs: list[Obj] = []
     for shape, colour in zip(shapes, colours, strict=True):
-        cell = rng.choice(ns.free_cells(rows, cols, SPAN, items))
-        items.append(Placed(shape, colour, cell, SPAN))
-    target = rng.choice(items)
-    question, answer = ns.qa_one(target)
-    image = ns.render(items, width, height, rng)
-    objs = [it.obj() for it in items]
-    return Example([image], question, answer, target.colour, "colour", KIND, [objs], [(0, target.obj())])
+        objs.append(Obj(shape, colour, rng.choice(free_cells(rows, cols, SPAN, objs))))
+    target = rng.choice(objs)
+    question, answer = qa_one(target)
+    image = render(objs, rng, SPAN, width, height)
+    return Example([image], question, answer, target.colour, "colour", KIND, [objs], [(0, target)])
 
 
 def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
     """``n`` deterministic examples of ``split`` (``"train"`` or ``"heldout"``, disjoint seed spaces)."""
     return [make_example(i, seed, split) for i in range(n)]
+
+
+MEMBER = Member(
+    name=NAME,
+    model_dir=Path(__file__).resolve().parent / "models" / NAME,
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry=GEOMETRY,
+    make_examples=make_examples,
+    eviction_trained=True,  # fine-tuned from the default model, whose last stage was eviction-robust
+)
 
 
 def build_processor():
@@ -86,7 +93,7 @@ def build_processor():
     base = load_processor(str(DEFAULT_MODEL_DIR))
     tok = base.tokenizer
     tok.chat_template = base.chat_template
-    return tiny_processor(tok, image_size=TILE, patch_size=ns.PATCH, kind="llava_next")
+    return tiny_processor(tok, image_size=TILE, patch_size=PATCH, kind="llava_next")
 
 
 def build_model(seed: int):
@@ -139,8 +146,8 @@ def train(args: argparse.Namespace) -> dict:
         lambda mod, a, kw: (a, {**kw, "interpolate_pos_encoding": True}), with_kwargs=True
     )
     plain_proc = load_processor(str(DEFAULT_MODEL_DIR))
-    low = LOW_SIZE // ns.PATCH
-    low_proc = tiny_processor(plain_proc.tokenizer, image_size=LOW_SIZE, patch_size=ns.PATCH)
+    low = LOW_SIZE // PATCH
+    low_proc = tiny_processor(plain_proc.tokenizer, image_size=LOW_SIZE, patch_size=PATCH)
     low_proc.chat_template = plain_proc.chat_template
     ramp = max(1, args.low_steps * args.batch_size // 2)
 
@@ -156,7 +163,8 @@ def train(args: argparse.Namespace) -> dict:
     if args.eval_every:
         held = [make_example(i, 1, "heldout", TILE) for i in range(50)]
         print(
-            f"  stage 1 held-out (336 px, n=50): {ns.evaluate(plain, plain_proc, held, 8)[0]:.3f}", flush=True
+            f"  stage 1 held-out (336 px, n=50): {full_cache_accuracy(MEMBER, plain, plain_proc, held)[0]:.3f}",
+            flush=True,
         )
     missing, _ = model.load_state_dict(plain.state_dict(), strict=False)
     assert missing == ["model.image_newline"], missing
@@ -167,13 +175,13 @@ def train(args: argparse.Namespace) -> dict:
     def peek(step: int) -> None:
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
-            acc, _ = ns.evaluate(model, processor, make_examples(50, 1, "heldout"), MAX_NEW_TOKENS)
+            acc, _ = full_cache_accuracy(MEMBER, model, processor, make_examples(50, 1, "heldout"))
             print(f"  eval@{step}: {acc:.3f}", flush=True)
 
     s2 = ns.finetune(model, processor, stream, args.steps, args.next_lr, args.warmup, on_log=peek)
     train_s = time.time() - t0
     t1 = time.time()
-    acc, per_kind = ns.evaluate(model, processor, make_examples(args.eval_n, 0, "heldout"), MAX_NEW_TOKENS)
+    acc, per_kind = full_cache_accuracy(MEMBER, model, processor, make_examples(args.eval_n, 0, "heldout"))
     eval_s = time.time() - t1
     print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_s:.0f}s)", flush=True)
     out = Path(args.out)

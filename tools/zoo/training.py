@@ -26,7 +26,6 @@ import json
 import math
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,8 @@ from vlkv.tools.progress import progress
 from vlkv.tools.task.synthetic_task import COLOURS, Example, Geometry
 from vlkv.tools.task.tiny_llava import build_tiny, tokens_per_image
 from vlkv.tools.task.train_default_model import collate, lr_at, set_determinism
+from vlkv.tools.zoo.accuracy import full_cache_accuracy
+from vlkv.tools.zoo.interface import Member
 from vlkv.tools.zoo.scenes import patch_labels
 
 
@@ -54,18 +55,15 @@ class Arch:
 
 
 @dataclass(frozen=True)
-class Member:
-    """What ``train_member`` needs from a zoo member module."""
+class Recipe:
+    """How ``train_member`` trains a zoo member."""
 
-    name: str
+    member: Member
     words: list[str]
     system_prompt: str | None
     arch: Arch
     object_kinds: tuple[str, ...]  # the probe's first class set (shapes or patterns)
     train_example: Callable[[int, float], Example]  # (index, training progress in [0, 1)) -> example
-    make_examples: Callable[..., list[Example]]  # (n, seed, split)
-    is_correct: Callable[[str, Example], bool]
-    max_new_tokens: int
     steps: int
     probe_steps: int
     batch_size: int = 16
@@ -106,7 +104,7 @@ def init_from_member(model: LlavaForConditionalGeneration, tokenizer, src_dir: P
         model.lm_head.weight[dst_ids] = src.lm_head.weight[src_ids]
 
 
-def probe_targets(examples: list[Example], m: Member) -> torch.Tensor:
+def probe_targets(examples: list[Example], m: Recipe) -> torch.Tensor:
     """``[images, tokens, 2]``: per vision token its (object kind, colour) class, background last."""
     rows = []
     for ex in examples:
@@ -124,36 +122,13 @@ def probe_loss(
     return ce(logits[:, : n_kinds + 1], kind) + ce(logits[:, n_kinds + 1 :], colour)
 
 
-def prompt_text(processor, example: Example) -> str:
-    """The rendered prompt: the checkpoint's chat template over the example's one user turn."""
-    return processor.apply_chat_template(example.messages, add_generation_prompt=True)
-
-
-def generate_answer(model, processor, example: Example, max_new_tokens: int) -> str:
-    """Greedy full-cache continuation (special tokens stripped)."""
-    inputs = processor(images=example.images, text=prompt_text(processor, example), return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def evaluate(model, processor, examples: list[Example], is_correct, max_new_tokens: int):
-    """Greedy full-cache accuracy overall and per kind."""
-    hits: Counter[str] = Counter()
-    totals: Counter[str] = Counter()
-    for ex in progress(examples, desc="evaluate", unit="example"):
-        totals[ex.kind] += 1
-        hits[ex.kind] += is_correct(generate_answer(model, processor, ex, max_new_tokens), ex)
-    acc = sum(hits.values()) / max(1, sum(totals.values()))
-    return acc, {k: hits[k] / totals[k] for k in sorted(totals)}
-
-
 def _chats(examples: list[Example]) -> list[tuple[Example, list[dict]]]:
     return [(ex, [*ex.messages, {"role": "assistant", "content": ex.answer}]) for ex in examples]
 
 
-def train_member(m: Member, argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=f"Train the zoo member {m.name!r} (deterministic, CPU).")
+def train_member(r: Recipe, argv: list[str] | None = None) -> dict:
+    m, mem = r, r.member
+    p = argparse.ArgumentParser(description=f"Train the zoo member {mem.name!r} (deterministic, CPU).")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=m.steps)
     p.add_argument("--probe-steps", type=int, default=m.probe_steps)
@@ -183,7 +158,7 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
     else:
         init_vision_from_default(model)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{m.name}: params={n_params} vocab={len(tok)} tokens/image={tokens_per_image(g.image, g.patch)}")
+    print(f"{mem.name}: params={n_params} vocab={len(tok)} tokens/image={tokens_per_image(g.image, g.patch)}")
 
     n_kinds = len(m.object_kinds)
     head = torch.nn.Linear(cfg.text_config.hidden_size, n_kinds + 1 + len(COLOURS) + 1)
@@ -202,7 +177,7 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
     model.train()
     ema = None
     t0 = time.time()
-    for step in progress(range(args.steps), desc=f"train {m.name}", unit="step"):
+    for step in progress(range(args.steps), desc=f"train {mem.name}", unit="step"):
         examples = [m.train_example(step * m.batch_size + j, step / args.steps) for j in range(m.batch_size)]
         batch = collate(processor, _chats(examples))
         for grp in opt.param_groups:
@@ -225,9 +200,7 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
             )
         if args.eval_every and step > args.probe_steps and step % args.eval_every == 0:
             model.eval()
-            acc, per = evaluate(
-                model, processor, m.make_examples(50, 1, "heldout"), m.is_correct, m.max_new_tokens
-            )
+            acc, per = full_cache_accuracy(mem, model, processor, mem.make_examples(50, 1, "heldout"))
             print(
                 f"  eval@{step}: {acc:.3f} {json.dumps({k: round(v, 3) for k, v in per.items()})}", flush=True
             )
@@ -237,8 +210,8 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
     model.eval()
 
     t1 = time.time()
-    examples = m.make_examples(args.eval_n, 0, "heldout")
-    acc, per_kind = evaluate(model, processor, examples, m.is_correct, m.max_new_tokens)
+    examples = mem.make_examples(args.eval_n, 0, "heldout")
+    acc, per_kind = full_cache_accuracy(mem, model, processor, examples)
     print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({time.time() - t1:.0f}s): {per_kind}", flush=True)
 
     out = Path(args.out)
@@ -247,10 +220,11 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
     processor.save_pretrained(out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "TRAINING.md")
     prompt_tokens = [
-        len(processor(images=ex.images, text=prompt_text(processor, ex))["input_ids"][0]) for ex in examples
+        len(processor(images=ex.images, text=mem.prompt_text(processor, ex))["input_ids"][0])
+        for ex in examples
     ]
     record = {
-        "command": f"python -m vlkv.tools.zoo.{m.name} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": f"python -m vlkv.tools.zoo.{mem.name} " + " ".join(sys.argv[1:] if argv is None else argv),
         "train_seconds": round(train_seconds, 1),
         "command_seconds": round(time.time() - t_start, 1),
         "steps": args.steps,
@@ -278,12 +252,12 @@ def train_member(m: Member, argv: list[str] | None = None) -> dict:
         "heldout_accuracy": round(acc, 4),
         "heldout_n": args.eval_n,
         "heldout_per_kind": {k: round(v, 4) for k, v in per_kind.items()},
-        "max_new_tokens": m.max_new_tokens,
+        "max_new_tokens": mem.max_new_tokens,
         "torch": torch.__version__,
     }
     (out / "TRAINING.md").write_text(
-        f"# Zoo member `{m.name}`: training record\n\n"
-        f"Written by `{record['command']}` (see `tools/zoo/{m.name}.py` and `tools/zoo/training.py`).\n"
+        f"# Zoo member `{mem.name}`: training record\n\n"
+        f"Written by `{record['command']}` (see `tools/zoo/{mem.name}.py` and `tools/zoo/training.py`).\n"
         f"Held-out full-cache greedy accuracy (n={args.eval_n}, seed 0): **{acc:.4f}**.\n\n"
         f"```json\n{json.dumps(record, indent=1)}\n```\n"
     )

@@ -1,0 +1,51 @@
+"""One zoo member: what the evaluation, the tests and the trainer need to know about it.
+
+A member module ``vlkv.tools.zoo.<name>`` defines ``MEMBER = Member(...)`` (its task and checkpoint) and, when
+it is trained here, runs ``vlkv.tools.zoo.trainer.main(MEMBER, RECIPE)`` under ``__main__`` (its training
+command). Every member is scored by the one ``is_correct`` (``synthetic_task.is_correct`` over the member's
+``scored`` words) and prompted by the one ``prompt_text`` (the checkpoint's chat template).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlkv.tools.task import synthetic_task
+from vlkv.tools.task.synthetic_task import Example
+
+
+@dataclass(frozen=True)
+class Member:
+    """A zoo member.
+
+    - ``name``: its registry name (``tools/zoo/__init__.py`` ``MEMBERS``) and module name;
+    - ``model_dir``: the shipped Hugging Face checkpoint (``tools/zoo/models/<name>/``), served through
+      ``load_model`` / ``load_processor`` like any user's;
+    - ``max_new_tokens``: enough for the longest answer plus eos;
+    - ``geometry``: one line for the zoo table (vision tokens per image, layers, what the member stresses);
+    - ``make_examples(n, seed=0, split="heldout") -> list[Example]``: deterministic; ``split`` is ``"train"``
+      or ``"heldout"`` (disjoint seed spaces). The question is the text after the image(s) of a one-turn chat,
+      exactly what ``vlkv.tools.client.build_request(images=..., question=...)`` sends through the public
+      API; anything before the images (an instruction) comes from the checkpoint's own chat template;
+    - ``scored``: the words ``is_correct`` compares, in order, between the generated text and the answer;
+    - ``eviction_trained``: fine-tuned to tolerate dropped KV (``tools/task/eviction.py``), as no user's
+      checkpoint is: zoo tables mark it.
+    """
+
+    name: str
+    model_dir: Path
+    max_new_tokens: int
+    geometry: str
+    make_examples: Callable[..., list[Example]]
+    scored: frozenset[str] = synthetic_task.CONTENT_WORDS
+    eviction_trained: bool = False
+
+    def is_correct(self, generated_text: str, example: Example) -> bool:
+        """True iff the ``scored`` words of the generated text (up to the first eos) are the answer's."""
+        return synthetic_task.is_correct(generated_text, example, self.scored)
+
+    def prompt_text(self, processor, example: Example) -> str:
+        """The rendered prompt: the checkpoint's chat template over the example's one user turn."""
+        return synthetic_task.prompt_text(processor, example)

@@ -31,6 +31,7 @@ from vlkv.common.config import Limits, TransferConfig
 from vlkv.common.errors import InvalidInput, Refusal, VlkvError
 from vlkv.common.handoff.assembler import validate_header
 from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.handoff.transport import Transfer
 from vlkv.common.handoff.wire import KVWireError, compact_layers
 from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.block_manager import AdmissionRefusal, RefusalKind
@@ -46,11 +47,6 @@ _REFUSALS = {  # the block manager's refusal kinds as the wire's machine-readabl
 }
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class Transfer(Protocol):
-    def abandon(self) -> None:
-        """The request was given up: stop and free what it holds as soon as that is safe."""
 
 
 class Arrivals(Protocol):

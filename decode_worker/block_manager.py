@@ -1,4 +1,5 @@
-"""Block accounting for the decode worker's paged KV pool (no torch: the gateway's router imports it).
+"""Block accounting for the decode worker's paged KV pool (no torch; the arithmetic, ``blocks_needed``, is
+``common/block_math.py``'s, which the gateway's router shares).
 
 The pool is ``num_blocks`` fixed-size blocks; a block is ``block_size`` tokens of one layer (K and V for
 every KV head, stored in ``kv_cache.KVCache``). Each layer of a compact cache keeps a different number of
@@ -31,7 +32,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from vlkv.common.block_math import ceil_div
+from vlkv.common.block_math import blocks_needed, ceil_div
 
 
 def recompress_budget(prompt_time_len: int, budget: float, window: int) -> int:
@@ -47,11 +48,6 @@ def recompress_target(prompt_time_len: int, length: int, budget: float, window: 
         return length
     cap = recompress_budget(prompt_time_len, budget, window)
     return cap if length >= cap + block_size else length
-
-
-def blocks_needed(layer_lengths: list[int], extra_tokens: int, block_size: int) -> int:
-    """Blocks that hold ``layer_lengths[l] + extra_tokens`` tokens in every layer l (one table per layer)."""
-    return sum(ceil_div(n + extra_tokens, block_size) for n in layer_lengths)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from vlkv.common.block_math import ceil_div
 from vlkv.common.errors import abort_with
 from vlkv.common.handoff.assembler import KVStreamReader
 from vlkv.common.handoff.compact_kv import all_finite
+from vlkv.common.handoff.transport import KVReceiver, Transfer
 from vlkv.common.handoff.wire import KVWireError, layer_shapes
 from vlkv.decode_worker.admission import Admission, sender_of
 from vlkv.decode_worker.kv_cache import KVCache
@@ -168,7 +169,7 @@ class PoolSink:
         self.admission.release(self.seq)
 
 
-class _GrpcTransfer:
+class _GrpcTransfer(Transfer):
     def __init__(self, reader: KVStreamReader) -> None:
         self.reader = reader
 
@@ -176,7 +177,7 @@ class _GrpcTransfer:
         self.reader.abort()  # frees the blocks now: nothing but this call writes them
 
 
-class GrpcKVReceiver:
+class GrpcKVReceiver(KVReceiver):
     transport = "grpc"
 
     def __init__(self, admission: Admission) -> None:

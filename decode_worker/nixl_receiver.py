@@ -26,6 +26,7 @@ from vlkv.common.errors import Refusal, abort_with
 from vlkv.common.handoff.assembler import all_tensor_bytes
 from vlkv.common.handoff.block_layout import block_runs, runs_crc32c, tensor_crc32c
 from vlkv.common.handoff.nixl_agent import NixlAgent, device_id, mem_type
+from vlkv.common.handoff.transport import KVReceiver, Transfer
 from vlkv.common.handoff.wire import KVWireError, layer_shapes
 from vlkv.decode_worker.admission import Admission, sender_of
 from vlkv.decode_worker.block_manager import SequenceBlocks
@@ -44,7 +45,7 @@ def _extend(crc: int | None, tensors) -> int | None:
     return crc
 
 
-class _NixlTransfer:
+class _NixlTransfer(Transfer):
     """One call's sequence and write window; ``abandon`` (its request was given up) only marks it: the
     sender may be writing, so the blocks are freed at its done, or when its window closes."""
 
@@ -70,7 +71,7 @@ class _NixlTransfer:
         asyncio.get_running_loop().call_later(wait, self.admission.release, seq)
 
 
-class NixlKVReceiver:
+class NixlKVReceiver(KVReceiver):
     transport = "nixl"
 
     def __init__(self, admission: Admission, nixl: NixlAgent | None) -> None:

@@ -27,14 +27,10 @@ from typing import Generic, Protocol, TypeVar
 
 import grpc
 from vlkv.common.errors import VlkvError
+from vlkv.common.handoff.transport import Transfer
 
 log = logging.getLogger(__name__)
 ABANDONED_MAX = 4096  # remembered abandoned ids (each for the claim wait); older ones are dropped first
-
-
-class Transfer(Protocol):
-    def abandon(self) -> None:
-        """The request was given up: stop and free what it holds as soon as that is safe."""
 
 
 class HasRequestId(Protocol):

@@ -35,7 +35,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import MAX_REQUEST_ID, PreparedRequest, prepare_request, to_prefill_proto
 from vlkv.common.reuse import ANONYMOUS, TENANT_KEY, tenant_of
 from vlkv.services.metrics import GatewayMetrics
-from vlkv.services.router import DecodeSlot, Router
+from vlkv.services.router import Reservation, Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
     async def _run(
         self,
         prefill_req: worker_pb2.PrefillRequest,
-        slot: DecodeSlot,
+        slot: Reservation,
         start: float,
         caller_id: str,
         front: str,
@@ -253,7 +253,9 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         )
         decode.in_flight += 1
         prefill_task = asyncio.ensure_future(self._prefill(prefill_req, tenant))
-        prefill_task.add_done_callback(lambda t: slot.release())  # the worker's load shows the cache now
+        prefill_task.add_done_callback(
+            lambda t: slot.settle()
+        )  # cache arrived or never will: ends at the next report
         prefill_task.add_done_callback(
             lambda t: t.cancelled() or t.exception() is None or decode_call.cancel()
         )
@@ -288,7 +290,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             log.warning("decode worker %s failed: %s: %s", decode.address, exc.code().name, exc.details())
             raise VlkvError(f"the decode worker failed: {exc.details()}", _public_code(exc.code())) from None
         finally:
-            slot.release()
+            slot.settle()
             decode.in_flight -= 1
             decode_call.cancel()
             if not prefill_task.done():

@@ -56,45 +56,39 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
-        self.image_cache_bytes = Gauge(
-            "vlkv_image_cache_bytes", "bytes a prefill worker's image cache holds", ["address"], registry=r
+
+        def per_worker(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, ["address", *labels], registry=r)
+
+        self.image_cache_bytes = per_worker(
+            "vlkv_image_cache_bytes", "bytes a prefill worker's image cache holds"
         )
-        self.image_cache_events = Gauge(
+        self.image_cache_events = per_worker(
             "vlkv_image_cache_events",
             "a prefill worker's image-cache lookups and evictions since it started",
-            ["address", "event"],
-            registry=r,
+            "event",
         )
         labels = ["kind", "address"]
         self.worker_running = Gauge("vlkv_worker_running", "requests running on a worker", labels, registry=r)
         self.worker_waiting = Gauge("vlkv_worker_waiting", "requests queued on a worker", labels, registry=r)
-        self.pool_occupancy = Gauge(
-            "vlkv_decode_pool_occupancy",
-            "share of a decode worker's KV blocks in use",
-            ["address"],
-            registry=r,
+        self.pool_occupancy = per_worker(
+            "vlkv_decode_pool_occupancy", "share of a decode worker's KV blocks in use"
         )
         self.replicas = Gauge("vlkv_replicas", "workers serving, by kind", ["kind"], registry=r)
         self.admit_queue = Gauge(
             "vlkv_admission_queue", "requests waiting for a decode worker with KV room", registry=r
         )
-        self.swapped = Gauge(
-            "vlkv_decode_swapped",
-            "sequences preempted to host memory on a decode worker",
-            ["address"],
-            registry=r,
+        self.swapped = per_worker(
+            "vlkv_decode_swapped", "sequences preempted to host memory on a decode worker"
         )
-        self.preemptions = Gauge(
-            "vlkv_decode_preemptions",
-            "preemptions on a decode worker since it started",
-            ["address"],
-            registry=r,
+        self.preemptions = per_worker(
+            "vlkv_decode_preemptions", "preemptions on a decode worker since it started"
         )
-        self.pool_kv_bytes = Gauge(
+        self.pool_kv_bytes = per_worker(
             "vlkv_decode_kv_bytes",
             "bytes of a decode worker's KV pool (total) and of its blocks in use (used), in its kv dtype",
-            ["address", "kv_dtype", "state"],
-            registry=r,
+            "kv_dtype",
+            "state",
         )
 
 

@@ -192,11 +192,9 @@ def test_simultaneous_requests_do_not_overcommit_a_worker(tiny_model_dirs, solo)
         metrics = c.gateway.servicer.metrics.registry
         assert metrics.get_sample_value("vlkv_hand_off_retries_total") == 0
         deadline = time.time() + 3  # promises settle with the worker's next load report (at least every 1 s)
-        while time.time() < deadline and any(
-            w.pending_blocks for w in c.gateway.servicer.router.decode.values()
-        ):
+        while time.time() < deadline and any(w.promised for w in c.gateway.servicer.router.decode.values()):
             time.sleep(0.02)
-        assert all(w.pending_blocks == 0 for w in c.gateway.servicer.router.decode.values())
+        assert all(w.promised == 0 for w in c.gateway.servicer.router.decode.values())
     finally:
         c.close()
 

@@ -15,6 +15,7 @@ from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options
+from vlkv.common.handoff.transport import KVReceiver
 from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
@@ -230,3 +231,9 @@ def test_refusal_reaches_a_sender_still_streaming_large_messages(cluster):
     for i in range(3):
         assert cluster.run(send(f"large-{i}")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert cluster.pool.num_free == free
+
+
+def test_both_receivers_are_kv_receivers(cluster):
+    servicer = cluster.decode.servicer
+    for receiver, transport in ((servicer.grpc_receiver, "grpc"), (servicer.nixl_receiver, "nixl")):
+        assert isinstance(receiver, KVReceiver) and receiver.transport == transport

@@ -64,9 +64,18 @@ def cluster(request, tiny_model_dirs):
     cluster = InProcCluster(cfg)
     cluster.variant, cluster.transport = variant, transport
     yield cluster
-    received = cluster.decode.servicer.receiver.received
     cluster.close()
-    assert received[transport] > 0 and sum(received.values()) == received[transport], received
+
+
+def test_hand_offs_go_over_the_cluster_transport(cluster):
+    """Whatever else ran, a request served through the gateway hands its cache over this cluster's
+    transport, and no hand-off used another."""
+    before = dict(cluster.decode.servicer.receiver.received)
+    req = build_request(images=[random_png(5)], question="what colour is the square ?", max_new_tokens=2)
+    assert generate(cluster.stub, req, timeout=60).finished is not None
+    received = cluster.decode.servicer.receiver.received
+    assert received[cluster.transport] == before.get(cluster.transport, 0) + 1, received
+    assert sum(received.values()) == received[cluster.transport], received
 
 
 def test_full_cache_tokens_equal_generate(cluster):

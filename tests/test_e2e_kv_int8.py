@@ -36,9 +36,14 @@ def cluster(request, tiny_model_dirs):
     cluster = InProcCluster(cfg)
     cluster.transport = request.param
     yield cluster
-    received = cluster.decode.servicer.receiver.received
     cluster.close()
-    assert received[request.param] > 0, received
+
+
+def test_caches_go_over_the_cluster_transport(cluster):
+    before = cluster.decode.servicer.receiver.received[cluster.transport]
+    req = build_request(images=[random_png(4)], question=QUESTION, max_new_tokens=2)
+    assert generate(cluster.stub, req, timeout=60).finished is not None
+    assert cluster.decode.servicer.receiver.received[cluster.transport] == before + 1
 
 
 @pytest.mark.parametrize("policy,budget", [("vlcache", 0.1), ("full", 1.0)])

@@ -17,7 +17,7 @@ from tests.test_e2e_equality import random_png
 def router_with(*loads: int) -> Router:
     r = Router(1 << 20)
     for i, load in enumerate(loads):
-        r.prefill[f"w{i}"] = Worker(f"w{i}", None, None, in_flight=load)
+        r.prefill.join(Worker(f"w{i}", in_flight=load))
     return r
 
 

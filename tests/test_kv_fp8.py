@@ -16,7 +16,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from vlkv.common.compression.registry import CompressionSettings  # noqa: E402
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig  # noqa: E402
-from vlkv.common.handoff.assembler import KVAssembler  # noqa: E402
 from vlkv.common.handoff.quantize import (  # noqa: E402
     FP8_MAX,
     decode_codes,
@@ -36,6 +35,7 @@ from vlkv.kernels.paged_decode_reference import fp8_table, paged_decode_referenc
 from vlkv.tools.client import build_request, generate  # noqa: E402
 
 from tests.inproc_cluster import InProcCluster  # noqa: E402
+from tests.kv_assembler import KVAssembler  # noqa: E402
 from tests.test_e2e_equality import random_png  # noqa: E402
 from tests.test_kv_quant import LAYOUT, exact, float_cache, int8_case  # noqa: E402
 from tests.triton_interpret import kernel_module  # noqa: E402

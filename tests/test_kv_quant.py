@@ -15,7 +15,6 @@ import math  # noqa: E402
 import grpc  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from vlkv.common.handoff.assembler import KVAssembler  # noqa: E402
 from vlkv.common.handoff.compact_kv import CompactKV  # noqa: E402
 from vlkv.common.handoff.nixl_agent import nixl_available  # noqa: E402
 from vlkv.common.handoff.quantize import (  # noqa: E402
@@ -33,6 +32,7 @@ from vlkv.decode_worker.kv_cache import KVCache, block_bytes_of  # noqa: E402
 from vlkv.kernels.paged_decode_reference import paged_decode_reference  # noqa: E402
 from vlkv.v1 import kv_pb2  # noqa: E402
 
+from tests.kv_assembler import KVAssembler  # noqa: E402
 from tests.triton_interpret import kernel_module  # noqa: E402
 
 H, D, P = 2, 16, 4

@@ -67,12 +67,12 @@ def test_three_gateways_lose_no_request(cluster):
     routers = [g.servicer.router for g in cluster.gateways]
     # every gateway routed on pushed reports of both pools (the workers' WatchLoad streams)
     deadline = time.time() + 3  # promises settle with each worker's next load report (at least every 1 s)
-    while time.time() < deadline and any(w.pending_blocks for r in routers for w in r.decode.values()):
+    while time.time() < deadline and any(w.promised for r in routers for w in r.decode.values()):
         time.sleep(0.02)
     for router in routers:
         assert all(w.load_at > float("-inf") and not w.polled for w in router.decode.values())
         assert all(w.load_at > float("-inf") and not w.polled for w in router.prefill.values())
-        assert router.num_queued == 0 and all(w.pending_blocks == 0 for w in router.decode.values())
+        assert router.num_queued == 0 and all(w.promised == 0 for w in router.decode.values())
     # every block came back
     assert cluster.pool.num_free == cluster.pool.num_blocks
     assert cluster.second.servicer.pool.num_free == cluster.second.servicer.pool.num_blocks

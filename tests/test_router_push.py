@@ -52,7 +52,7 @@ def test_picks_only_fresh_workers_with_room_and_drops_silent_ones():
         await asyncio.sleep(0.01)
         slot = await router.pick_decode([32] * 4, 16)
         assert slot.worker.address == "a" and slot.blocks == 4 * 3  # (32 + 16) / 16 blocks per layer
-        slot.release()
+        slot.settle()
         # a goes silent: skipped once stale, dropped from the sampling set after DROP_S
         await asyncio.sleep(router_module.STALE_S + 0.1)
         stubs["c"].reports.put_nowait(_decode_load(500))
@@ -83,8 +83,8 @@ def test_a_pick_draws_a_bounded_number_of_workers():
             stubs[f"w{i}"].reports.put_nowait(_decode_load(100))
         await asyncio.sleep(0.01)
         seen = []
-        fresh = router._fresh
-        router._fresh = lambda pool, w, now: seen.append(w) or fresh(pool, w, now)
+        fresh = router.decode.fresh
+        router.decode.fresh = lambda w, now: seen.append(w) or fresh(w, now)
         for _ in range(50):
             await router.pick_decode([16] * 4, 16)
         assert len(seen) <= 50 * router_module.SAMPLE_K

@@ -11,7 +11,7 @@ import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig, TransferConfig
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.servers import start_decode_worker
-from vlkv.services.router import DecodeSlot
+from vlkv.services.load_board import Reservation
 from vlkv.tools.client import build_request, generate
 from vlkv.v1 import worker_pb2_grpc
 
@@ -99,7 +99,7 @@ def test_cache_refused_for_room_is_sent_again_after_waiting(cluster, monkeypatch
     async def stale_first(layer_tokens, max_new_tokens):
         calls.append(1)
         if len(calls) == 1:  # as if its GetLoad had been answered before the pool filled up
-            return DecodeSlot(router.decode[cluster.decode.address], 0)
+            return Reservation(router.decode[cluster.decode.address], 0)
         return await real(layer_tokens, max_new_tokens)
 
     monkeypatch.setattr(router, "_try_decode", stale_first)

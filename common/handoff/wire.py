@@ -11,7 +11,8 @@ of ``protos/vlkv/v1/kv.proto``, each data chunk checksummed with CRC-32C (``KVDa
 hardware-accelerated through ``google_crc32c``). Development builds before any deployment used zlib's
 CRC-32 under the same version number; no deployed peer speaks that.
 
-Receiver: ``KVAssembler`` (in ``assembler``) validates and rebuilds a ``CompactKV``. Status codes:
+Receiver: ``assembler.KVStreamReader`` validates the stream and hands each checked chunk to a sink (the
+decode worker's writes into pool blocks). Status codes:
 protocol violations (bad order, bad header, unknown layer, offset gaps/overlaps) are INVALID_ARGUMENT;
 evidence of corruption or loss (CRC mismatch, trailer totals disagree, stream ends early, bytes
 missing) is DATA_LOSS; a sane cache built for another model/layout/dtype is FAILED_PRECONDITION.

@@ -10,7 +10,8 @@ every repeat so they see the same machine load (ratios are medians of per-repeat
   as the prefill worker does.
 - TCP: a plain socket sending the already-serialized chunk bytes, drained into a buffer: the ceiling.
 - TCP+fmt (diagnostic): the same socket, but the sender encodes lazily and the receiver runs the same
-  ``KVAssembler`` on length-prefixed messages - what the wire format costs without gRPC.
+  ``KVStreamReader`` (header checks, order, CRC-32C) on length-prefixed messages, copying each payload
+  into host buffers - what the wire format costs without gRPC.
 - gRPC raw (diagnostic): grpcio's own data path with no vlkv work at all - the same channel options and
   ``GrpcKVSender.send_chunks`` stream the already-serialized chunk bytes into a handler that only counts
   them (no encode, no CRC-32C, no assembler): the ceiling any code on top of grpcio can reach.
@@ -63,7 +64,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
-from vlkv.common.handoff.assembler import KVAssembler
+from vlkv.common.handoff.assembler import KVStreamReader, all_tensor_bytes, validate_header
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.grpc_transport import (
     TRANSFER_KV_METHOD,
@@ -131,6 +132,20 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
         got += n
 
 
+class _HostCopy:
+    """A checked header's tensors as host buffers, each payload copied in (the least a receiver does)."""
+
+    def __init__(self, header) -> None:
+        validate_header(header, FINGERPRINT, LAYOUT)
+        self.bufs = [[bytearray(n) for n in sizes] for sizes in all_tensor_bytes(header)]
+
+    def write(self, layer: int, tensor: int, offset: int, payload) -> None:
+        self.bufs[layer][tensor][offset : offset + len(payload)] = payload
+
+    def release(self) -> None:
+        self.bufs = []
+
+
 def _tcp_server(port_q: mp.Queue) -> None:
     """Per connection: 8-byte length (0 = quit), 1-byte mode: 0 drains the bytes, 1 assembles messages."""
     tune_malloc()
@@ -148,7 +163,7 @@ def _tcp_server(port_q: mp.Queue) -> None:
                     for off in range(0, want, len(buf)):
                         _recv_exact(conn, buf[: min(len(buf), want - off)])
                 else:
-                    asm = KVAssembler(FINGERPRINT, LAYOUT)
+                    asm = KVStreamReader(_HostCopy)
                     while True:  # 4-byte length prefix per message; 0 ends the stream
                         _recv_exact(conn, buf[:4])
                         n = int.from_bytes(buf[:4], "little")

@@ -18,15 +18,17 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from vlkv.common.block_math import blocks_needed
 from vlkv.common.errors import VlkvError
-from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.deploy.autoscaler import Autoscaler, PoolSpec, Replica
+from vlkv.services import load_watch
 from vlkv.services import router as router_module
 from vlkv.services.router import Router
 from vlkv.tools.sim.profile import Profile
 from vlkv.tools.sim.trace import Mix
 from vlkv.tools.sim.workers import PoolFull, SimDecode, SimPrefill, SimRequest, sim_connect
 
+_ROUTER_FILES = {router_module.__file__, load_watch.__file__}  # coroutines timed as router work
 SAMPLE_S = 1.0  # the cluster's state is sampled this often (virtual seconds)
 
 
@@ -206,7 +208,7 @@ class Simulation:
 
     def _task_factory(self, loop, coro, **kwargs):
         frame = getattr(coro, "cr_frame", None)
-        if frame is not None and coro.cr_code.co_filename == router_module.__file__:
+        if frame is not None and coro.cr_code.co_filename in _ROUTER_FILES:
             gw = self._by_router.get(id(frame.f_locals.get("self")))
             if gw is not None:
                 coro = _Timed(coro, gw, loop)
@@ -232,6 +234,7 @@ class Simulation:
             )
             self.gateways.append(_Gateway(router, cfg.charge_router_cpu))
         self._by_router = {id(gw.router): gw for gw in self.gateways}
+        self._by_router.update((id(gw.router.watch), gw) for gw in self.gateways)  # its load streams
         loop.set_task_factory(self._task_factory)
         for gw in self.gateways:
             for w in initial:
@@ -249,7 +252,7 @@ class Simulation:
                 kind = "decode" if isinstance(w, SimDecode) else "prefill"
                 self.autoscaler.replicas.append(Replica(kind, w, w.address, state="serving"))
             self.autoscaler.start()
-        await asyncio.sleep(2 * router_module.POLL_S)  # the first load reports arrive
+        await asyncio.sleep(2 * load_watch.POLL_S)  # the first load reports arrive
         t0 = loop.time()
         for r in self.requests:
             r.arrival += t0
@@ -324,7 +327,7 @@ class Simulation:
                     continue
                 finally:
                     prefill.in_flight -= 1
-                    slot.release()
+                    slot.settle()
                 t = time.thread_time_ns()
                 router.note_images(prefill.address, req.images, req.tenant)
                 gw.add(time.thread_time_ns() - t, loop.time(), True)

@@ -16,9 +16,9 @@ import asyncio
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from vlkv.common.block_math import blocks_needed
 from vlkv.common.load_stream import CHECK_EVERY_S, REPORT_EVERY_S
 from vlkv.common.reuse import ANONYMOUS
-from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.tools.sim.profile import Profile
 from vlkv.v1 import worker_pb2
 

@@ -22,6 +22,7 @@ from vlkv.common.compression import (
     policy_from_dict,
     preset,
     preset_params,
+    recent_count,
 )
 
 from tests.test_compression_policies import TAU, L, M, make_inputs, stats_for
@@ -116,3 +117,27 @@ def test_presets_are_policies_and_the_paper_preset_is_the_zoo_before_row():
     assert_same_plans(get_policy("vlcache", pyramid_beta=20.0, **legacy), paper, seed=13, alpha=0.1)
     with pytest.raises(ValueError, match="unknown compression preset"):
         preset("nope")
+
+
+def test_text_only_prompts_use_an_observation_window():
+    """No vision tokens (tau = m): the last 32 rows score the rest and are kept like a question."""
+    m, k = 200, 40
+    policy = get_policy("vlcache")
+    assert policy.text_window == 32 and policy.query_start(m, m) == m - 32
+    assert preset("vlcache_paper").query_start(m, m) == 0  # the paper: every row is post-vision
+    assert policy.query_start(20, 20) == 0  # a prompt shorter than the window: every row
+    assert policy.query_start(m, 10) == m - 10  # image prompts are unchanged
+    qs, ks, vs = make_inputs(4, 2, seed=14, m=m)
+    stats = stats_for(policy, qs, ks, m=m, tau=m)
+    assert stats[0].row_max.shape == (4, 32)
+    kept = policy.plan(stats, ks, vs, alpha=k / m, m=m, tau=m)
+    budgets = policy.allocate(stats, k / m, m, len(ks))
+    for layer, (idx, k_l) in enumerate(zip(kept, budgets, strict=True)):
+        window = min(32, k_l // 2) + recent_count(k_l)  # the observation window, the recent 10% before it
+        window = min(window, k_l)
+        assert bool((idx[:, k_l - window :] == torch.arange(m - window, m)).all())
+        scores = policy.score(layer, stats[layer], ks[layer], vs[layer], m, m)
+        for h in range(2):
+            older = scores[h, : m - window]
+            got = sorted(older[idx[h, : k_l - window]].tolist(), reverse=True)
+            assert got == sorted(older.tolist(), reverse=True)[: k_l - window]

@@ -31,4 +31,4 @@ class VLCachePolicy(Policy):
     allocator: Allocator = Pyramid(beta=4.0)
     pool_kernel: int = 3
     post_vision_window: bool = True
-    text_window: int = 0
+    text_window: int = 32

@@ -230,6 +230,9 @@ class ServerConfig:
     # connection when a ping goes unanswered as long: calls to a hung worker end with UNAVAILABLE. 0 = off.
     keepalive_s: float = 15.0
     image_cache_mb: int = 256  # each prefill worker's image cache (PrefillConfig.image_cache_mb)
+    # The compression profile (vlkv calibrate) the prefill workers serve: a path, "" = the checkpoint's
+    # compression_profile.json when there is one, "none" = no profile (deploy.servers.load_compression_profile).
+    compression_profile: str = ""
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host must not be empty")

@@ -359,7 +359,12 @@ def compression_from_proto(pb: generate_pb2.CompressionParams) -> CompressionSet
     threshold = pb.threshold if pb.HasField("threshold") else DEFAULT_THRESHOLD
     try:
         return CompressionSettings(
-            pb.policy or DEFAULT_POLICY, float(budget), float(threshold), pb.allocator, pb.exact_budget
+            pb.policy or DEFAULT_POLICY,
+            float(budget),
+            float(threshold),
+            pb.allocator,
+            pb.exact_budget,
+            explicit=bool(pb.policy or pb.allocator or pb.exact_budget),
         )
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
@@ -367,7 +372,7 @@ def compression_from_proto(pb: generate_pb2.CompressionParams) -> CompressionSet
 
 def compression_to_proto(cfg: CompressionSettings) -> generate_pb2.CompressionParams:
     return generate_pb2.CompressionParams(
-        policy=cfg.policy,
+        policy=cfg.policy if cfg.explicit else "",  # empty: the server's profile may choose
         budget=cfg.budget,
         threshold=cfg.threshold,
         allocator=cfg.allocator,

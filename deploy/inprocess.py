@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -213,6 +213,50 @@ class InProcessEngine:
         eos = frozenset(int(i) for i in eos_ids)
         runs = [_Run(f"cache-{i}", c, sampling, eos) for i, c in enumerate(caches)]
         self._decode(runs)
+        return [list(run.seq.generated) for run in runs]
+
+    def teacher_force(
+        self,
+        caches: list[CompactKV],
+        steps: int,
+        tokens: list[list[int]] | None = None,
+        observe: Callable[[list[int], torch.Tensor], None] | None = None,
+    ) -> list[list[int]]:
+        """Decode ``caches`` together through the decode core, each for at most ``steps`` tokens (the
+        prefill's included), every next token forced to ``tokens[i][g]`` (``g``: tokens generated so far;
+        None: the sequence's own greedy choice) and every step's next-token logits handed to
+        ``observe(rows, logits)`` first (``logits[r]``: fp32 ``[vocab]`` of cache ``rows[r]``, predicting
+        its token ``len(generated)``). A forced EOS ends a sequence. Returns each cache's tokens.
+        The core samples from logits that put all mass on the forced token, so its own stop rules,
+        lengths and blocks move exactly as in a decode."""
+        eos = frozenset(self.spec.eos_token_ids)
+        runs = [
+            _Run(f"force-{i}", c, SamplingConfig(max_new_tokens=len(tokens[i]) if tokens else steps), eos)
+            for i, c in enumerate(caches)
+        ]
+        pending, index = deque(runs), {}
+        try:
+            while pending or self.core.has_work:
+                while pending and self._admit(pending[0]):
+                    run = pending.popleft()
+                    index[run.seq] = runs.index(run)
+                plan = self.core.schedule()
+                if not plan.running:
+                    raise ResourceExhausted("teacher_force: the pool cannot hold the sequences it admitted")
+                logits = self.core.forward(plan.running)
+                rows = [index[s] for s in plan.running]
+                if observe is not None:
+                    observe(rows, logits)
+                forced = torch.zeros_like(logits)
+                for r, (i, seq) in enumerate(zip(rows, plan.running, strict=True)):
+                    forced[r, tokens[i][len(seq.generated)] if tokens else int(logits[r].argmax())] = 1.0
+                out = self.core.postprocess(plan.running, forced)
+                for seq in out.finished:
+                    if seq.error is not None:
+                        raise seq.error
+        except BaseException:
+            self.core.abort_all(VlkvError("the in-process decode was interrupted"))
+            raise
         return [list(run.seq.generated) for run in runs]
 
     # -- decode --------------------------------------------------------------------------------------

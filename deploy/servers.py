@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from vlkv.common.compression.profile import CompressionProfile, find_profile, read_profile
 from vlkv.common.config import ServerConfig
 from vlkv.common.errors import ConfigError
 from vlkv.common.grpc_server import Server
@@ -102,12 +103,30 @@ def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
     )
 
 
+def load_compression_profile(cfg: ServerConfig, fingerprint: str = "") -> CompressionProfile | None:
+    """The compression profile this deployment serves (``--compression-profile PATH``, else
+    ``compression_profile.json`` beside the checkpoint; ``none``: no profile), validated, and checked
+    against the model's ``fingerprint`` when one is given; ConfigError with the reason otherwise."""
+    path = find_profile(cfg.model.path, cfg.compression_profile)
+    if path is None:
+        return None
+    try:
+        profile = read_profile(path)
+        if fingerprint:
+            profile.check_model(fingerprint)
+    except ValueError as err:
+        raise ConfigError(f"refusing to start: {err}") from None
+    log.info("compression profile %s (budgets %s)", profile.label, profile.budgets)
+    return profile
+
+
 async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
     model, processor, _, spec = _load_worker(cfg, model, processor)
+    profile = load_compression_profile(cfg, spec.fingerprint)
     nixl = nixl_agent_for("prefill", cfg.transfer.kv_transport, cfg.security.tls)
     limits = cfg.limits
     images = ImageInputs.from_processor(processor, model.config, limits.max_images, limits.max_image_pixels)
-    servicer = PrefillServicer(model, spec, cfg.prefill(), nixl=nixl, images=images)
+    servicer = PrefillServicer(model, spec, cfg.prefill(), nixl=nixl, images=images, profile=profile)
     server = _worker_server(cfg, port, "PrefillWorker")
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
@@ -35,6 +36,7 @@ class PrefillResult:
     policy: str
     prefill_ms: float
     reuse: ReuseReport | None = None  # what the image cache did (None: no cache on this worker)
+    profile: str = ""  # the compression profile that chose the policy ("": none did)
 
 
 class StatsCollector:
@@ -63,10 +65,19 @@ class StatsCollector:
 
 
 class PrefillEngine:
-    def __init__(self, model, spec: ModelSpec, image_cache: ImageCache | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        spec: ModelSpec,
+        image_cache: ImageCache | None = None,
+        profile: CompressionProfile | None = None,
+    ) -> None:
+        """``profile``: a compression profile checked against this model (``vlkv calibrate``); it chooses the
+        policy of every request that names none (``CompressionSettings.explicit`` False)."""
         use_vlkv_attention(model)
         self.model = model
         self.spec = spec
+        self.profile = profile
         self.device = next(model.parameters()).device
         self.image_cache = image_cache
         self.reuser = ImageReuser(model, spec, image_cache) if image_cache is not None else None
@@ -113,7 +124,8 @@ class PrefillEngine:
         start = time.perf_counter()
         m, tau = req.modality.m, req.modality.tau
         compression, sampling = req.compression, req.sampling
-        policy = compression.build_policy()
+        profiled = self.profile is not None and not compression.explicit and compression.budget < 1.0
+        policy = self.profile.policy_for(compression.budget) if profiled else compression.build_policy()
         full = policy.is_full(compression.budget)  # the one definition (Policy.is_full), on the built policy
         collector = None
         if policy.requires_stats and not full:
@@ -130,5 +142,6 @@ class PrefillEngine:
             ckv = policy.compress(
                 stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first
             )
-        name = "full" if full else compression.policy
-        return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000, reuse)
+        name = "full" if full else policy.name
+        label = self.profile.label if profiled else ""
+        return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000, reuse, label)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from vlkv.common import logs
+from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.config import PrefillConfig
 from vlkv.common.errors import InvalidInput, Refusal, VlkvError
 from vlkv.common.grpc_server import abort_on_error
@@ -49,14 +50,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         cfg: PrefillConfig,
         nixl: NixlAgent | None = None,
         images: ImageInputs | None = None,
+        profile: CompressionProfile | None = None,
     ) -> None:
         """``images``: what the model's processor produces (every request's model inputs are checked
-        against it); None: this worker takes text-only requests."""
+        against it); None: this worker takes text-only requests. ``profile``: the compression profile it
+        serves, already checked against the model (``PrefillEngine``)."""
         self.cfg = cfg
         self.spec = spec
         self.images = images
         self.image_cache = ImageCache(cfg.image_cache_mb << 20)
-        self.engine = PrefillEngine(model, spec, self.image_cache)
+        self.engine = PrefillEngine(model, spec, self.image_cache, profile)
         self.address = ""
         self.draining = False
         self.running = 0
@@ -123,6 +126,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             image_cache_hit=bool(result.reuse and result.reuse.hit),
             recomputed_image_tokens=result.reuse.recomputed_tokens if result.reuse else 0,
             recompute_ratio=result.reuse.ratio if result.reuse and result.reuse.hit else 1.0,
+            compression_profile=result.profile,
         )
 
     def _run_counted(self, *args):
@@ -142,6 +146,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             draining=self.draining,
             model_fingerprint=self.spec.fingerprint,
             image_cache=cache_stats_proto(self.image_cache, self.engine.hint_mismatches),
+            compression_profile=self.engine.profile.label if self.engine.profile else "",
         )
 
     async def GetLoad(self, request, context):

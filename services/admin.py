@@ -37,6 +37,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         preemptions=w.load.preemptions,
                         kv_dtype=w.load.kv_dtype,
                         block_bytes=w.load.block_bytes,
+                        compression_profile=w.load.compression_profile,
                     )
                 )
                 if kind == "prefill" and w.load.HasField("image_cache"):

@@ -325,7 +325,8 @@ def redact_addresses(message: str, known: list[str]) -> str:
 
 
 async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Future) -> None:
-    """The image cache's figures of the prefill (its reply comes right after the hand-off it fed)."""
+    """The image cache's figures of the prefill and the compression profile it used (its reply comes right
+    after the hand-off it fed)."""
     try:
         reply = await asyncio.shield(prefill_task)
     except Exception:  # noqa: BLE001 - the prefill's failure is reported by the caller, not here
@@ -333,6 +334,7 @@ async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Futu
     usage.image_cache_hit = reply.image_cache_hit
     usage.recomputed_image_tokens = reply.recomputed_image_tokens
     usage.recompute_ratio = reply.recompute_ratio
+    usage.compression_profile = reply.compression_profile
 
 
 def _prefill_failure(task: asyncio.Future) -> VlkvError | None:

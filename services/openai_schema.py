@@ -295,7 +295,8 @@ def finish_reason(finished: generate_pb2.Finished) -> str:
 
 
 def usage_json(u: generate_pb2.Usage) -> dict:
-    """OpenAI's usage, plus vlkv's figures (vision tokens, KV kept and full, ratio, layer budgets, TTFT)."""
+    """OpenAI's usage, plus vlkv's figures (vision tokens, KV kept and full, ratio, layer budgets, TTFT, the
+    compression profile in force)."""
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.generated_tokens,
@@ -311,5 +312,6 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "image_cache_hit": u.image_cache_hit,
             "recomputed_image_tokens": u.recomputed_image_tokens,
             "recompute_ratio": round(u.recompute_ratio, 6),
+            "compression_profile": u.compression_profile,
         },
     }

@@ -1,4 +1,4 @@
-"""The ``vlkv`` command line: serve, generate, demo, eval, bench."""
+"""The ``vlkv`` command line: serve, generate, demo, status, eval, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from vlkv.common.config import (
     DEFAULT_MODEL_DIR,
     DEFAULT_PROMPT_WEIGHT,
+    ConfigError,
     ModelConfig,
     PoolConfig,
     QueueConfig,
@@ -56,6 +57,7 @@ def _server_config(args) -> ServerConfig:
         ),
         host=args.host,
         image_cache_mb=args.image_cache_mb,
+        compression_profile=getattr(args, "compression_profile", ""),
     )
 
 
@@ -155,6 +157,14 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         default=256,
         help="each prefill worker's image cache (reused image K/V, LRU) in MiB; 0 = off",
     )
+    p.add_argument(
+        "--compression-profile",
+        default="",
+        metavar="PATH",
+        help="compression profile (vlkv calibrate) for requests that name no policy: the entry nearest their "
+        "budget chooses the policy; default: compression_profile.json beside the checkpoint if there is one; "
+        "'none': no profile. Another model's profile or a bad file is refused at start-up",
+    )
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
     p.add_argument(
         "--tls-cert", default="", help="PEM certificate: TLS on every server (public and internal)"
@@ -242,7 +252,25 @@ def _http_front_config(args):
     return HttpFrontConfig(allow_image_hosts=tuple(getattr(args, "http_allow_image_host", ())))
 
 
+def _check_profile(args) -> None:
+    """Refuse a bad compression profile before anything starts (the prefill workers then check it against
+    the model's fingerprint); say which one will be served."""
+    from vlkv.common.compression.profile import find_profile, read_profile
+
+    path = find_profile(args.model, getattr(args, "compression_profile", ""))
+    if path is None:
+        return
+    try:
+        profile = read_profile(path)
+    except ValueError as err:
+        raise ConfigError(f"refusing to start: {err}") from None
+    budgets = ", ".join(f"{e.budget:g} -> {e.candidate}" for e in profile.entries)
+    print(f"compression profile {profile.label} ({path}): {budgets}", flush=True)
+
+
 def cmd_serve(args) -> int:
+    _check_profile(args)
+
     async def body(cluster) -> int:
         if cluster.http is not None:
             print(f"OpenAI-compatible HTTP API on {cluster.http.url}", flush=True)
@@ -402,6 +430,11 @@ def cmd_status(args) -> int:
             f"{w.kind:8} {w.address:22} {w.state:12} {w.in_flight:>9} {w.running:>8} {w.waiting:>8} {pool:>16} "
             f"{swapped:>10}"
         )
+    for w in st.workers:
+        if w.kind == "prefill":
+            print(
+                f"compression profile {w.address}: {w.compression_profile or 'none (the policies defaults)'}"
+            )
     for address, c in caches:
         looked = c.hits + c.misses
         print(
@@ -427,6 +460,19 @@ def cmd_eval(args) -> int:
     from vlkv.tools.eval.report import run_eval
 
     return run_eval(args)
+
+
+def cmd_calibrate(args) -> int:
+    from vlkv.tools.calibrate import calibrate, format_table
+
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    path, profile, seconds = calibrate(
+        args.model, args.prompts, budgets, args.n, args.out, args.dtype, args.max_prompts
+    )
+    print(format_table(profile))
+    chosen = ", ".join(f"{e.budget:g}: {e.candidate}" for e in profile.entries)
+    print(f"\nchosen: {chosen}\nwrote {path} ({profile.label}) in {seconds:.0f} s")
+    return 0
 
 
 def cmd_calibrate_reuse(args) -> int:
@@ -634,6 +680,24 @@ def main(argv: list[str] | None = None) -> int:
 
     add_compile_args(kp)
     kp.set_defaults(func=cmd_kernels)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="choose compression settings per budget on a checkpoint's own prompts (agreement with the full "
+        "cache, no labels); write compression_profile.json beside the model",
+    )
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument(
+        "--prompts", required=True, help="JSONL, one public-API request per line (tools/calibrate_prompts.py)"
+    )
+    p.add_argument("--budgets", default="0.02,0.05,0.1", help="comma-separated budgets in (0, 1)")
+    p.add_argument(
+        "-n", type=int, default=16, help="generated tokens compared per prompt (the first included)"
+    )
+    p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument("--dtype", default="float32", help="the dtype the model will be served in (fingerprinted)")
+    p.add_argument("--out", default="", help="where to write (default: <model>/compression_profile.json)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser(
         "calibrate-reuse",

@@ -131,13 +131,16 @@ DEFAULT_THRESHOLD = 0.01
 class CompressionSettings:
     """policy: a registered policy name; budget: alpha in (0, 1]; threshold: p in (0, 1);
     allocator: a registered allocator name, "" = the policy's own; exact_budget: Algorithm 1's exact total
-    (``Sparsity(exact=True)``; ignored by the other allocators)."""
+    (``Sparsity(exact=True)``; ignored by the other allocators); explicit: False when the request named no
+    policy, allocator nor exact budget (the server's compression profile, if any, then chooses the policy:
+    ``profile.CompressionProfile.policy_for``)."""
 
     policy: str = DEFAULT_POLICY
     budget: float = DEFAULT_BUDGET
     threshold: float = DEFAULT_THRESHOLD
     allocator: str = ""
     exact_budget: bool = False
+    explicit: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:

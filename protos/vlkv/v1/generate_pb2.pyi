@@ -131,7 +131,7 @@ class Finished(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio")
+    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Usage(_message.Message):
     IMAGE_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_PROFILE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     generated_tokens: int
@@ -156,4 +157,5 @@ class Usage(_message.Message):
     image_cache_hit: bool
     recomputed_image_tokens: int
     recompute_ratio: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ...) -> None: ...
+    compression_profile: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ...) -> None: ...

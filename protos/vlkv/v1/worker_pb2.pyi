@@ -63,7 +63,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio")
+    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POST_VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class PrefillReply(_message.Message):
     IMAGE_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_PROFILE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     post_vision_tokens: int
@@ -92,7 +93,8 @@ class PrefillReply(_message.Message):
     image_cache_hit: bool
     recomputed_image_tokens: int
     recompute_ratio: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ...) -> None: ...
+    compression_profile: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "wait_ms")
@@ -115,7 +117,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full")
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full", "compression_profile")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,7 @@ class WorkerLoad(_message.Message):
     IMAGES_ADDED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_EVICTED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FULL_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_PROFILE_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     waiting: int
@@ -152,7 +155,8 @@ class WorkerLoad(_message.Message):
     images_added: _containers.RepeatedCompositeFieldContainer[ImageDigest]
     images_evicted: _containers.RepeatedCompositeFieldContainer[ImageDigest]
     images_full: bool
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ...) -> None: ...
+    compression_profile: str
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ..., compression_profile: _Optional[str] = ...) -> None: ...
 
 class ImageDigest(_message.Message):
     __slots__ = ("image_hash", "tenant")

@@ -1,0 +1,171 @@
+"""``vlkv calibrate`` end to end on the default model, and its profile served through the public API:
+chosen per budget by agreement with the full cache, refused when it belongs to another model or is bad."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from vlkv.common.compression.profile import read_profile
+from vlkv.common.compression.registry import get_policy
+from vlkv.common.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
+from vlkv.tools.calibrate import CANDIDATES, calibrate
+from vlkv.tools.calibrate_prompts import read_prompts, write_prompts
+from vlkv.tools.cli import main
+from vlkv.tools.client import build_request, generate
+from vlkv.tools.task import synthetic_task
+from vlkv.tools.zoo import member
+
+from tests.inproc_cluster import InProcCluster
+
+BUDGETS = (0.05, 0.1)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrate")
+    processor = load_processor(str(DEFAULT_MODEL_DIR))
+    examples = synthetic_task.make_examples(2, seed=3, split="train")
+    prompts = write_prompts(out / "prompts.jsonl", processor, examples, synthetic_task)
+    path, _, _ = calibrate(str(DEFAULT_MODEL_DIR), str(prompts), BUDGETS, tokens=4, out=str(out / "p.json"))
+    return path
+
+
+def test_calibrate_chooses_the_best_agreement_per_budget(profile_path):
+    profile = read_profile(profile_path)
+    assert profile.budgets == list(BUDGETS) and profile.prompts["count"] == 2
+    assert len(profile.table) == len(CANDIDATES) * len(BUDGETS)
+    for entry in profile.entries:
+        rows = [r for r in profile.table if r["budget"] == entry.budget]
+        best = max(r["agreement"] for r in rows)
+        mine = next(r for r in rows if r["candidate"] == entry.candidate)
+        assert mine["agreement"] == best
+        assert mine["kl"] == min(r["kl"] for r in rows if r["agreement"] == best)
+        assert entry.policy.to_dict() == mine["policy"]
+        assert all(0.0 <= r["agreement"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
+
+
+def test_teacher_forcing_the_full_cache_reproduces_its_greedy_decode():
+    from vlkv.deploy.inprocess import InProcessEngine
+    from vlkv.tools.eval.evaluation import decode_batch, prepare
+
+    model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
+    processor = load_processor(str(DEFAULT_MODEL_DIR))
+    p = prepare(model, processor, synthetic_task.make_examples(1, seed=9, split="train"), progress=False)[0]
+    full = get_policy("full").compress(
+        None, p.keys, p.values, alpha=1.0, m=p.m, tau=p.tau, first_token=p.first_token
+    )
+    greedy = decode_batch(model, [full], 6, set())[0]
+    seen = []
+    engine = InProcessEngine(model, pool_bytes=8 << 20, block_size=16)
+    own = engine.teacher_force(
+        [full], 6, observe=lambda rows, logits: seen.append(logits.argmax(-1).tolist())
+    )
+    forced = engine.teacher_force([full], 6, tokens=[greedy])
+    assert own == forced == [greedy] and len(seen) == len(greedy) - 1
+    assert [s[0] for s in seen] == greedy[1:]
+
+
+def test_prompts_file_is_checked(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    for line, message in (
+        ({"question": "what ?", "answer": "blue"}, "unknown key"),
+        ({"question": "a", "prompt": "b"}, "exactly one of"),
+        ({"question": "a", "images": ["not-a-file-or-base64!"]}, "neither a file nor base64"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "a part is"),
+    ):
+        bad.write_text(json.dumps(line) + "\n")
+        with pytest.raises(ValueError, match=message):
+            read_prompts(bad)
+    (tmp_path / "img.png").write_bytes(b"\x89PNG fake")
+    good = tmp_path / "good.jsonl"
+    good.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}
+                ],
+                "images": ["img.png"],
+            }
+        )
+        + "\n\n"
+        + json.dumps({"prompt": "plain text"})
+        + "\n"
+    )
+    requests, digest = read_prompts(good)
+    assert [r.WhichOneof("prompt") for r in requests] == ["chat", "text"] and len(digest) == 64
+    assert requests[0].images == [b"\x89PNG fake"]
+
+
+@pytest.fixture(scope="module")
+def served(profile_path):
+    cfg = ServerConfig(
+        model=ModelConfig(path=str(DEFAULT_MODEL_DIR)),
+        pool=PoolConfig(pool_bytes=16 << 20),
+        compression_profile=str(profile_path),
+    )
+    c = InProcCluster(cfg)
+    yield c
+    c.close()
+
+
+def test_a_calibrated_profile_is_served_through_the_public_api(served, profile_path):
+    profile = read_profile(profile_path)
+    ex = synthetic_task.make_examples(1, seed=11, split="heldout")[0]
+    images = [_png(i) for i in ex.images]
+    for budget in (0.05, 0.1, 0.07):
+        req = build_request(images=images, question=ex.question, max_new_tokens=4, budget=budget)
+        usage = generate(served.stub, req, timeout=120).finished.usage
+        entry = profile.entry_for(budget)
+        assert usage.compression_profile == profile.label and usage.policy == entry.policy.name
+        if not entry.policy.allocator.needs_stats:  # then its budgets are known before the prefill
+            layers = len(usage.layer_budgets)
+            assert list(usage.layer_budgets) == entry.policy.allocate(
+                None, budget, usage.prompt_tokens, layers
+            )
+    # a request that names its own settings overrides the profile
+    req = build_request(images=images, question=ex.question, max_new_tokens=4, budget=0.05, policy="snapkv")
+    usage = generate(served.stub, req, timeout=120).finished.usage
+    assert usage.compression_profile == "" and usage.policy == "snapkv"
+    assert served.prefill.servicer.load().compression_profile == profile.label
+
+
+def _png(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_another_models_profile_is_refused_at_start_up(profile_path):
+    other = str(member("deep8").model_dir)  # a zoo member: another checkpoint
+    cfg = ServerConfig(model=ModelConfig(path=other), compression_profile=str(profile_path))
+    with pytest.raises(ConfigError, match="calibrated on another model"):
+        asyncio.run(start_prefill_worker(cfg, model=load_model(cfg.model), processor=load_processor(other)))
+
+
+def test_a_bad_profile_is_refused_at_start_up(profile_path, tmp_path, capsys):
+    good = json.loads(profile_path.read_text())
+    cases = {
+        "not json": ("{ nope", "not valid JSON"),
+        "version": (json.dumps({**good, "version": 99}), "version 99 is not supported"),
+        "option": (
+            json.dumps(
+                {**good, "entries": [{**good["entries"][0], "policy": {"policy": "vlcache", "beta": 2}}]}
+            ),
+            r"entries\[0\].policy: .*unknown option.*'beta'",
+        ),
+        "key": (json.dumps({**good, "extra": 1}), "unknown option.*'extra'"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        cfg = ServerConfig(model=ModelConfig(path=str(DEFAULT_MODEL_DIR)), compression_profile=str(path))
+        with pytest.raises(ConfigError, match=message):
+            load_compression_profile(cfg)
+    assert main(["serve", "--compression-profile", str(tmp_path / "version.json")]) == 2
+    assert "refusing to start" in capsys.readouterr().err

@@ -1,0 +1,233 @@
+"""``vlkv calibrate``: per budget, the compression settings that agree best with the full cache on a
+checkpoint's own prompts, label-free; writes ``compression_profile.json`` (``common/compression/profile.py``).
+
+For every prompt (``tools/calibrate_prompts.py``: public-API requests, no answers), one prefill through the
+prefill worker's forward records every layer's Q and K (``evaluation.prepare``). The full cache is decoded
+greedily for ``tokens`` tokens through the decode core (``InProcessEngine.teacher_force``): the reference
+tokens and next-token distributions. Then every candidate (``CANDIDATES``: registered options, the paper's
+preset, the current default) at every budget compresses that same prefill (its own statistics rows from
+the recorded Q and K, as the prefill worker computes them) and the reference tokens are teacher-forced
+through its compressed cache: **agreement** is the share of positions whose greedy token under the
+compressed cache is the full cache's, **KL** the mean ``KL(p_full || p_compressed)`` over those positions
+(the prefill's own token is the same for every cache and is not counted). Per budget the candidate with the
+highest mean agreement wins, ties to the lower KL. Prompts are processed in chunks, each chunk's caches
+decoded as one batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from vlkv.common.compression.presets import PRESETS
+from vlkv.common.compression.profile import PROFILE_FILENAME, CompressionProfile, ProfileEntry
+from vlkv.common.compression.registry import get_policy, policy_from_dict
+from vlkv.common.config import Limits, ModelConfig
+from vlkv.common.model.inputs import decode_images, input_side
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import render_prompt
+from vlkv.decode_worker.block_manager import blocks_needed
+from vlkv.decode_worker.kv_cache import block_bytes_of
+from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.tools.calibrate_prompts import read_prompts
+from vlkv.tools.eval.evaluation import BLOCK_SIZE, prepare
+from vlkv.tools.progress import progress as track
+
+DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
+DEFAULT_TOKENS = 16
+THRESHOLD = 0.01
+_VL = {"policy": "vlcache"}
+# (label, policy dict): the declared grid, one change at a time from the default, plus the baselines
+CANDIDATES: tuple[tuple[str, dict], ...] = (
+    ("default", PRESETS["vlcache_default"]),
+    ("paper (vlcache_paper)", PRESETS["vlcache_paper"]),
+    ("allocator: Algorithm 1", {**_VL, "allocator": {"name": "sparsity"}}),
+    ("allocator: uniform", {**_VL, "allocator": {"name": "uniform"}}),
+    ("allocator: mixed 0.2", {**_VL, "allocator": {"name": "mixed", "weight": 0.2}}),
+    ("allocator: coverage", {**_VL, "allocator": {"name": "coverage"}}),
+    ("allocator: cake", {**_VL, "allocator": {"name": "cake"}}),
+    ("allocator: pyramid beta 2", {**_VL, "allocator": {"name": "pyramid", "beta": 2.0}}),
+    ("allocator: pyramid beta 20", {**_VL, "allocator": {"name": "pyramid", "beta": 20.0}}),
+    ("window: off", {**_VL, "post_vision_window": False}),
+    ("window: cap 1/4", {**_VL, "post_vision_cap": 0.25}),
+    ("window: by score", {**_VL, "post_vision_by_score": True}),
+    ("pooling: off", {**_VL, "pool_kernel": 1}),
+    ("pooling: 7", {**_VL, "pool_kernel": 7}),
+    ("sinks: 4", {**_VL, "sink_tokens": 4}),
+    ("text window: off", {**_VL, "text_window": 0}),
+    ("snapkv", {"policy": "snapkv"}),
+    ("pyramidkv", {"policy": "pyramidkv"}),
+)
+
+
+@dataclass
+class _Score:
+    """Running sums over prompts for one (candidate, budget)."""
+
+    agreement: float = 0.0
+    kl: float = 0.0
+    prompts: int = 0
+
+
+@dataclass
+class Calibration:
+    table: dict[tuple[str, float], _Score] = field(default_factory=dict)
+
+    def add(self, key: tuple[str, float], agreement: float, kl: float) -> None:
+        s = self.table.setdefault(key, _Score())
+        s.agreement, s.kl, s.prompts = s.agreement + agreement, s.kl + kl, s.prompts + 1
+
+    def rows(self) -> list[dict]:
+        policies = dict(CANDIDATES)
+        return [
+            {
+                "candidate": label,
+                "budget": budget,
+                "agreement": round(s.agreement / s.prompts, 6),
+                "kl": round(s.kl / s.prompts, 6),
+                "policy": policy_from_dict(policies[label]).to_dict(),
+            }
+            for (label, budget), s in self.table.items()
+        ]
+
+
+def best_per_budget(rows: list[dict], budgets) -> list[ProfileEntry]:
+    """Per budget the row with the highest agreement, ties to the lower KL, then to the grid's order."""
+    order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
+    entries = []
+    for b in budgets:
+        mine = [r for r in rows if r["budget"] == b]
+        best = min(mine, key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]))
+        entries.append(ProfileEntry(b, best["candidate"], policy_from_dict(best["policy"])))
+    return entries
+
+
+def _examples(requests, processor, limits: Limits):
+    """Each request as ``evaluation.prepare`` takes it: the rendered prompt and the decoded images."""
+    side = input_side(processor)
+    for req in requests:
+        images = decode_images(list(req.images), limits, side)
+        yield SimpleNamespace(images=images, prompt=render_prompt(req, processor), name=req.request_id)
+
+
+class _RenderedTask:
+    """``evaluation.prepare``'s task interface for prompts that are already rendered."""
+
+    @staticmethod
+    def prompt_text(processor, example) -> str:
+        return example.prompt
+
+
+def _engine(model, caches, steps: int) -> InProcessEngine:
+    c0 = caches[0]
+    need = sum(blocks_needed(c.layer_lengths, steps, BLOCK_SIZE) for c in caches)
+    pool = need * block_bytes_of(BLOCK_SIZE, c0.num_kv_heads, c0.head_dim, c0.dtype, "fp16")
+    return InProcessEngine(
+        model, pool_bytes=pool, block_size=BLOCK_SIZE, max_batch=len(caches), admission="reserve"
+    )
+
+
+def measure_chunk(model, prepared, budgets, tokens: int, out: Calibration) -> None:
+    """Reference decode of the chunk's full caches, then every candidate x budget teacher-forced."""
+    full = [
+        get_policy("full").compress(
+            None, p.keys, p.values, alpha=1.0, m=p.m, tau=p.tau, first_token=p.first_token
+        )
+        for p in prepared
+    ]
+    ref_logp: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prepared))}
+
+    def keep_ref(rows, logits):
+        for r, i in enumerate(rows):
+            ref_logp[i].append(torch.log_softmax(logits[r].float(), -1).cpu())
+
+    ref = _engine(model, full, tokens).teacher_force(full, tokens, observe=keep_ref)
+    del full
+    policies = [(label, policy_from_dict(d)) for label, d in CANDIDATES]
+    keys, caches = [], []
+    for i, p in enumerate(prepared):
+        for label, policy in policies:
+            for b in budgets:
+                stats = p.stats(policy.query_start(p.m, p.tau), THRESHOLD) if policy.requires_stats else None
+                caches.append(
+                    policy.compress(
+                        stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
+                    )
+                )
+                keys.append((i, label, b))
+    sums = [[0.0, 0.0, 0] for _ in caches]
+
+    def score(rows, logits):
+        logq = torch.log_softmax(logits.float(), -1).cpu()
+        greedy = logq.argmax(-1).tolist()
+        for r, c in enumerate(rows):
+            i, step = keys[c][0], sums[c][2]
+            logp = ref_logp[i][step]
+            sums[c][0] += float(greedy[r] == ref[i][step + 1])
+            sums[c][1] += float((logp.exp() * (logp - logq[r])).sum())
+            sums[c][2] += 1
+
+    _engine(model, caches, tokens).teacher_force(
+        caches, tokens, tokens=[ref[k[0]] for k in keys], observe=score
+    )
+    for (_i, label, b), (agree, kl, n) in zip(keys, sums, strict=True):
+        out.add((label, b), agree / n if n else 1.0, kl / n if n else 0.0)
+
+
+def calibrate(
+    model_dir: str,
+    prompts: str,
+    budgets=DEFAULT_BUDGETS,
+    tokens: int = DEFAULT_TOKENS,
+    out: str = "",
+    dtype: str = "float32",
+    max_prompts: int = 0,
+    chunk: int = 8,
+) -> tuple[Path, CompressionProfile, float]:
+    """Run the calibration; returns the profile's path, the profile and the seconds it took."""
+    start = time.perf_counter()
+    budgets = tuple(sorted(float(b) for b in budgets))
+    if not budgets or any(not 0.0 < b < 1.0 for b in budgets):
+        raise ValueError(f"budgets must lie in (0, 1), got {budgets}")
+    if tokens < 2:
+        raise ValueError("tokens must be >= 2 (the first is the prefill's, the same for every cache)")
+    requests, digest = read_prompts(prompts)
+    requests = requests[:max_prompts] if max_prompts else requests
+    cfg = ModelConfig(path=model_dir, dtype=dtype)
+    model = load_model(cfg)
+    processor = load_processor(model_dir)
+    spec = ModelSpec.from_model(model, processor.tokenizer)
+    examples = list(_examples(requests, processor, Limits()))
+    result = Calibration()
+    for at in track(range(0, len(examples), chunk), desc="calibrate", unit="chunk"):
+        prepared = prepare(model, processor, examples[at : at + chunk], progress=False, task=_RenderedTask)
+        measure_chunk(model, prepared, budgets, tokens, result)
+    rows = result.rows()
+    profile = CompressionProfile(
+        model={"fingerprint": spec.fingerprint, "path": str(Path(model_dir).resolve()), "dtype": dtype},
+        prompts={"digest": digest, "count": len(requests), "file": Path(prompts).name},
+        measure={"tokens": tokens, "threshold": THRESHOLD, "candidates": len(CANDIDATES)},
+        entries=best_per_budget(rows, budgets),
+        table=rows,
+    )
+    path = Path(out) if out else Path(model_dir) / PROFILE_FILENAME
+    profile.write(path)
+    return path, profile, time.perf_counter() - start
+
+
+def format_table(profile: CompressionProfile) -> str:
+    """The agreement table as markdown: a row per candidate, agreement / KL per budget, the choice starred."""
+    budgets = profile.budgets
+    chosen = {(e.candidate, e.budget) for e in profile.entries}
+    cells: dict[str, dict[float, str]] = {}
+    for r in profile.table:
+        star = " *" if (r["candidate"], r["budget"]) in chosen else ""
+        cells.setdefault(r["candidate"], {})[r["budget"]] = f"{r['agreement']:.3f} / {r['kl']:.3f}{star}"
+    head = "| candidate | " + " | ".join(f"{b:g}: agreement / KL" for b in budgets) + " |"
+    lines = [head, "|" + " --- |" * (len(budgets) + 1)]
+    lines += [f"| {c} | " + " | ".join(v.get(b, "") for b in budgets) + " |" for c, v in cells.items()]
+    return "\n".join(lines)

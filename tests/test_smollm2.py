@@ -59,3 +59,43 @@ def test_cached_checkpoint_is_reused_and_a_stale_one_rebuilt(checkpoint, tmp_pat
     with pytest.raises(RuntimeError):
         smollm2.ensure_checkpoint("x", build, quiet=True)
     assert calls == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # nothing half-written
+
+
+def test_text_wrapper_answers_a_needle_question_through_the_public_api(checkpoint):
+    """Text-only chat through the gateway and both workers (real gRPC): right with the full cache; at 10%
+    (the default policy) served with a tenth of the KV bytes and the same answer as the in-process engine."""
+    from vlkv.common.compression.registry import DEFAULT_POLICY, CompressionSettings
+    from vlkv.common.config import PoolConfig, ServerConfig
+    from vlkv.common.sampling import SamplingConfig
+    from vlkv.deploy.inprocess import InProcessEngine
+    from vlkv.tools.client import build_request, generate
+    from vlkv.tools.zoo import text_suite
+
+    from tests.inproc_cluster import InProcCluster
+
+    torch.set_num_threads(1)
+    cfg = ServerConfig(
+        model=ModelConfig(path=str(checkpoint), dtype="bfloat16"), pool=PoolConfig(pool_bytes=64 << 20)
+    )
+    cluster = InProcCluster(cfg)
+    try:
+        item = text_suite.items("needle", 512, "train", n=1, tokenizer=cluster.processor.tokenizer)[0]
+        full = generate(
+            cluster.stub, build_request(question=item.text, max_new_tokens=20, policy="full"), timeout=300
+        )
+        assert text_suite.is_correct(full.text, item), full.text
+        usage = full.finished.usage
+        assert usage.vision_tokens == 0 and 480 <= usage.prompt_tokens <= 512
+        req = build_request(question=item.text, max_new_tokens=20, budget=0.1)
+        tenth = generate(cluster.stub, req, timeout=300)
+        kept = tenth.finished.usage
+        assert 0.05 <= kept.kv_bytes_kept / kept.kv_bytes_full <= 0.12
+        local = InProcessEngine(cluster.model, cluster.processor).generate(
+            [],
+            question=item.text,
+            sampling=SamplingConfig(max_new_tokens=20),
+            compression=CompressionSettings(DEFAULT_POLICY, 0.1),
+        )
+        assert tenth.text == local.text
+    finally:
+        cluster.close()

@@ -631,7 +631,16 @@ def main(argv: list[str] | None = None) -> int:
         "(with --ablation: vlcache's options instead of the policies; with --api: the default policy's answers "
         "through real gRPC too) -> zoo.md, zoo.json, zoo.png",
     )
-    p.add_argument("--members", default="", help="--zoo: comma-separated members (default: all)")
+    p.add_argument(
+        "--members",
+        default="",
+        help="--zoo: comma-separated members, `text` the real-text suite (default: all)",
+    )
+    p.add_argument("--text-n", type=int, default=50, help="--zoo: items per text task and length")
+    p.add_argument(
+        "--text-lengths", default="1024,2048", help="--zoo: text prompt lengths in tokens (4096 for the note)"
+    )
+    p.add_argument("--text-tasks", default="", help="--zoo: comma-separated text tasks (default: all)")
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")

@@ -22,9 +22,17 @@ from vlkv.common.compression.presets import preset_params
 from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
-from vlkv.tools.eval.evaluation import compress, decode_batch, evaluate, prepare
+from vlkv.tools.eval import zoo_report
+from vlkv.tools.eval.evaluation import prepare
+from vlkv.tools.eval.zoo_report import finalize, worst_member
+from vlkv.tools.eval.zoo_scoring import FULL, merge, score_chunk
+from vlkv.tools.eval.zoo_text import run_text
 from vlkv.tools.progress import progress as track
-from vlkv.tools.zoo import MEMBERS, member
+from vlkv.tools.zoo import MEMBERS, member, text_suite
+
+TEXT = "text"
+"""``--members`` name of the real-text suite (SmolLM2-135M-Instruct, ``zoo_text.py``)."""
+__all__ = ["evaluate_many", "run_member", "run_zoo", "worst_member"]
 
 ZOO_BUDGETS = (0.01, 0.02, 0.05, 0.10)
 BASELINES = tuple(p for p in POLICY_NAMES if p not in ("full", DEFAULT_POLICY))
@@ -60,24 +68,37 @@ def _configs(ablation: bool) -> list[tuple[str, str, dict]]:
     return [(DEFAULT_POLICY, DEFAULT_POLICY, {}), previous] + [(p, p, {}) for p in BASELINES]
 
 
-def run_member(name: str, n: int, seed: int, split: str, configs, budgets, api: bool = False) -> dict:
-    """One member's rows: ``{"full": acc, "rows": {label: {budget: acc}}, "api": {...}}``."""
+def run_member(
+    name: str, n: int, seed: int, split: str, configs, budgets, api: bool = False, chunk: int = 50
+) -> dict:
+    """One member's result (``zoo_report``'s shape): every row at every budget, the two oracle rows, per
+    example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk)."""
     mod = member(name)
     path = str(mod.model_dir)
     model = load_model(ModelConfig(path=path))
     processor = load_processor(path)
     examples = mod.make_examples(n, seed=seed, split=split)
-    prepared = prepare(model, processor, examples, progress=True, task=mod)
-    full = evaluate(model, processor, prepared, "full", 1.0, mod.max_new_tokens)
-    out: dict = {"full": full.accuracy, "m": sum(p.m for p in prepared) / len(prepared), "rows": {}}
-    answers: dict = {}
-    for b in track(budgets, desc=f"{name}", unit="budget"):
-        accs = evaluate_many(model, processor, prepared, configs, b, mod.max_new_tokens, answers)
-        for label, acc in accs.items():
-            out["rows"].setdefault(label, {})[str(b)] = acc
+    hits: dict = {}
+    texts: dict = {}
+    ms: list[int] = []
+    parts = [examples[i : i + chunk] for i in range(0, len(examples), chunk)]
+    for part in track(parts, desc=name, unit=f"{chunk} examples"):
+        prepared = prepare(model, processor, part, progress=False, task=mod)
+        ms += [p.m for p in prepared]
+        part_texts: dict = {}
+        merge(
+            hits,
+            score_chunk(model, processor, prepared, configs, budgets, mod.max_new_tokens, texts=part_texts),
+        )
+        merge(texts, part_texts)
+        del prepared
+        gc.collect()
+    out = finalize({"hits": hits, "m": sum(ms) / len(ms), "geometry": mod.geometry})
+    out["eviction_trained"] = mod.eviction_trained
     if api:
+        answers = {b: texts[DEFAULT_POLICY][str(b)] for b in budgets}
         out["api"] = _api_check(mod, model, processor, examples, budgets, answers)
-    del prepared, model
+    del model
     gc.collect()
     return out
 
@@ -85,26 +106,23 @@ def run_member(name: str, n: int, seed: int, split: str, configs, budgets, api: 
 def evaluate_many(
     model, processor, prepared, configs, budget: float, max_new_tokens: int, answers: dict, chunk: int = 1200
 ) -> dict[str, float]:
-    """Accuracy of every ``(label, policy, params)`` at ``budget``: all their caches decoded together, in
-    batches of up to ``chunk`` sequences (a tiny model's decode step costs about the same at 300 and at 1,200
-    rows). ``answers[budget]`` receives the default policy's texts."""
-    eos = {processor.tokenizer.eos_token_id}
-    caches = []
-    for _label, policy, params in configs:
-        caches += [compress(p, policy, budget, **params) for p in prepared]
-    texts = []
-    for i in range(0, len(caches), chunk):
-        outs = decode_batch(model, caches[i : i + chunk], max_new_tokens, eos)
-        texts += [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
-    accs: dict[str, float] = {}
-    for j, (label, _, _) in enumerate(configs):
-        mine = texts[j * len(prepared) : (j + 1) * len(prepared)]
-        accs[label] = sum(p.task.is_correct(t, p.example) for t, p in zip(mine, prepared, strict=True)) / len(
-            prepared
-        )
-        if label == DEFAULT_POLICY:
-            answers[budget] = mine
-    return accs
+    """Accuracy of every ``(label, policy, params)`` at ``budget`` (no oracle): all their caches decoded
+    together. ``answers[budget]`` receives the default policy's texts."""
+    texts: dict = {}
+    right = score_chunk(
+        model,
+        processor,
+        prepared,
+        configs,
+        [budget],
+        max_new_tokens,
+        oracle=False,
+        texts=texts,
+        decode_chunk=chunk,
+    )
+    if DEFAULT_POLICY in texts:
+        answers[budget] = texts[DEFAULT_POLICY][str(budget)]
+    return {label: sum(h[str(budget)]) / len(prepared) for label, h in right.items() if label != FULL}
 
 
 def _api_check(mod, model, processor, examples, budgets, answers) -> dict:
@@ -137,156 +155,58 @@ def _api_check(mod, model, processor, examples, budgets, answers) -> dict:
     return result
 
 
-def worst_member(results: dict, label: str, budgets) -> dict:
-    """Per budget: the lowest relative accuracy (accuracy / full-cache accuracy) over the members, and which."""
-    out = {}
-    for b in budgets:
-        rel = {
-            name: r["rows"][label][str(b)] / r["full"] if r["full"] else 0.0
-            for name, r in results.items()
-            if label in r["rows"]
-        }
-        worst = min(rel, key=rel.get)
-        out[str(b)] = (rel[worst], worst)
-    return out
-
-
-def render(results: dict, budgets, command: str, split: str, n: int, seconds: float) -> list[str]:
-    md = [f"# Zoo: accuracy against KV budget ({n} examples per member, split {split})", ""]
-    md += [f"Command: `{command}`", ""]
-    head = "| policy | " + " | ".join(f"{b:.0%}" for b in budgets) + " |"
-    rule = "| --- |" + " --- |" * len(budgets)
-    for name, r in results.items():
-        mod = member(name)
-        md += [f"## {name}", "", f"{mod.geometry}; mean prompt {r['m']:.0f} tokens.", ""]
-        md += [f"Full cache: {r['full']:.3f}. Accuracy (relative to full in brackets):", "", head, rule]
-        for label, by_b in r["rows"].items():
-            cells = [
-                f"{by_b[str(b)]:.3f} ({by_b[str(b)] / r['full'] if r['full'] else 0:.3f})" for b in budgets
-            ]
-            md.append(f"| {label} | " + " | ".join(cells) + " |")
-        if "api" in r:
-            api = r["api"]
-            md += [
-                "",
-                f"Through the public API ({DEFAULT_POLICY}): "
-                + ", ".join(
-                    f"{float(b):.0%} {v['accuracy']:.3f} ({v['differ']} of {n} differ from the table)"
-                    for b, v in api.items()
-                ),
-            ]
-        md.append("")
-    labels = list(next(iter(results.values()))["rows"])
-    md += ["## Worst member (lowest accuracy relative to full, over every member)", "", head, rule]
-    for label in labels:
-        w = worst_member(results, label, budgets)
-        md.append(
-            f"| {label} | " + " | ".join(f"{w[str(b)][0]:.3f} ({w[str(b)][1]})" for b in budgets) + " |"
-        )
-    if PREVIOUS_LABEL in labels:
-        md += protocol_table(results, budgets)
-    md += [
-        "",
-        "Ranking (the tuning protocol's score: the worst member's relative accuracy averaged over the "
-        "budgets; ties by the mean over members):",
-        "",
-        "| rank | row | worst member | mean |",
-        "| --- | --- | --- | --- |",
-    ]
-    for i, (label, worst, mean) in enumerate(rank_configs(results, budgets), 1):
-        md.append(f"| {i} | {label} | {worst:.3f} | {mean:.3f} |")
-    md += ["", f"Wall time: {seconds:.0f} s"]
-    return md
-
-
-def protocol_table(results: dict, budgets) -> list[str]:
-    """The tuning protocol's before/after check: per member and budget, the default's accuracy minus the
-    previous default's (points); a drop of more than 1 point fails."""
-    new = DEFAULT_POLICY if DEFAULT_POLICY in next(iter(results.values()))["rows"] else "vlcache (defaults)"
-    md = ["", f"Protocol check: `{new}` minus `{PREVIOUS_LABEL}` (accuracy points; fails below -1):", ""]
-    md += [
-        "| member | " + " | ".join(f"{b:.0%}" for b in budgets) + " | holds |",
-        "| --- |" + " --- |" * (len(budgets) + 1),
-    ]
-    for name, r in results.items():
-        diffs = [100 * (r["rows"][new][str(b)] - r["rows"][PREVIOUS_LABEL][str(b)]) for b in budgets]
-        holds = "yes" if min(diffs) >= -1.0 - 1e-9 else "no"
-        md.append(f"| {name} | " + " | ".join(f"{d:+.1f}" for d in diffs) + f" | {holds} |")
-    return md
-
-
-def rank_configs(results: dict, budgets) -> list[tuple[str, float, float]]:
-    """``(row, worst-member score, mean score)`` best first; a member's score is its accuracy relative to its
-    full cache averaged over ``budgets``."""
-    labels = list(next(iter(results.values()))["rows"])
-    ranked = []
-    for label in labels:
-        per_member = [
-            sum(r["rows"][label][str(b)] for b in budgets) / len(budgets) / r["full"] if r["full"] else 0.0
-            for r in results.values()
-        ]
-        ranked.append((label, min(per_member), sum(per_member) / len(per_member)))
-    return sorted(ranked, key=lambda t: (-t[1], -t[2]))
-
-
 def run_zoo(args) -> int:
     budgets = ZOO_BUDGETS
-    names = args.members.split(",") if getattr(args, "members", "") else list(MEMBERS)
+    names = args.members.split(",") if getattr(args, "members", "") else [*MEMBERS, TEXT]
     ablation = getattr(args, "ablation", False)
     configs = _configs(ablation)
     split = getattr(args, "split", "heldout")
-    start = time.perf_counter()
-    results = {}
-    for name in names:
-        results[name] = run_member(
-            name, args.n, args.seed, split, configs, budgets, api=getattr(args, "api", False)
-        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "zoo_ablation" if ablation else "zoo"
-    flags = (" --ablation" if ablation else "") + (" --api" if getattr(args, "api", False) else "")
-    command = f"vlkv eval --zoo{flags} -n {args.n} --split {split}" + (
-        f" --members {args.members}" if getattr(args, "members", "") else ""
-    )
-    md = render(results, budgets, command, split, args.n, time.perf_counter() - start)
-    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"split": split, "n": args.n, "results": results}, indent=1))
-    _plot(results, budgets, out / f"{stem}.png")
+    start = time.perf_counter()
+    results: dict = {}
+
+    def write() -> list[str]:  # after every member, so a long run leaves its tables as it goes
+        md = zoo_report.render(
+            results, budgets, _command(args, split), split, time.perf_counter() - start, PREVIOUS_LABEL
+        )
+        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+        (out / f"{stem}.json").write_text(
+            json.dumps({"split": split, "n": args.n, "results": results}, indent=1)
+        )
+        return md
+
+    for name in names:
+        if name == TEXT:
+            lengths = [int(x) for x in str(getattr(args, "text_lengths", "") or "1024,2048").split(",")]
+            tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.TASKS)).split(",")
+            for task_name, r in run_text(
+                tasks, lengths, getattr(args, "text_n", 50), args.seed, split, configs, budgets
+            ):
+                results[task_name] = finalize(r)
+                write()
+            continue
+        results[name] = run_member(
+            name, args.n, args.seed, split, configs, budgets, api=getattr(args, "api", False)
+        )
+        write()
+    md = write()
+    zoo_report.plot(results, budgets, out / f"{stem}.png")
     print("\n".join(md))
     print(f"wrote {out / (stem + '.md')}, {stem}.json and {stem}.png")
     return 0
 
 
-def _plot(results: dict, budgets, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results)
-    cols = min(3, len(names) + 1)
-    rows = (len(names) + 1 + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
-    xs = [b * 100 for b in budgets]
-    labels = list(results[names[0]]["rows"])
-    for ax, name in zip(axes.flat, names, strict=False):
-        r = results[name]
-        for label in labels:
-            ax.plot(xs, [r["rows"][label][str(b)] / r["full"] for b in budgets], marker="o", label=label)
-        ax.set_title(name)
-    ax = axes.flat[len(names)]
-    for label in labels:
-        w = worst_member(results, label, budgets)
-        ax.plot(xs, [w[str(b)][0] for b in budgets], marker="o", label=label)
-    ax.set_title("worst member")
-    for ax in list(axes.flat)[: len(names) + 1]:
-        ax.set_xscale("log")
-        ax.set_xlabel("KV budget (%)")
-        ax.set_ylabel("accuracy / full")
-        ax.set_ylim(0, 1.05)
-    for ax in list(axes.flat)[len(names) + 1 :]:
-        ax.axis("off")
-    axes.flat[len(names)].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _command(args, split: str) -> str:
+    flags = (" --ablation" if getattr(args, "ablation", False) else "") + (
+        " --api" if getattr(args, "api", False) else ""
+    )
+    cmd = f"vlkv eval --zoo{flags} -n {args.n} --split {split}"
+    if getattr(args, "members", ""):
+        cmd += f" --members {args.members}"
+    for flag in ("text_n", "text_lengths", "text_tasks"):
+        value = getattr(args, flag, None)
+        if value not in (None, ""):
+            cmd += f" --{flag.replace('_', '-')} {value}"
+    return cmd

@@ -1,0 +1,103 @@
+"""The real-text suite's rows in ``vlkv eval --zoo``: SmolLM2-135M-Instruct on ``tools/zoo/text_suite.py``.
+
+Each (task, length) is a row group of its own, scored like a member (``TextTask`` has the member interface
+``evaluation.prepare`` and ``zoo_scoring`` read). The model is the text-only wrapper
+(``smollm2.text_checkpoint()``, served as any user's LLaVA checkpoint) in bfloat16; prompts are one-turn,
+text-only chats (no image). A task whose full-cache accuracy is below ``MIN_FULL`` is dropped: the tables
+name it and leave it out of every score.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+from vlkv.common.config import ModelConfig
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.tools.eval.evaluation import prepare
+from vlkv.tools.eval.zoo_scoring import FULL, full_answers, merge, score_rows, wilson
+from vlkv.tools.progress import progress as track
+from vlkv.tools.zoo import text_suite as ts
+
+MIN_FULL = 0.9
+TEXT_LENGTHS = (1024, 2048)
+"""The default run's lengths; 4,096 behind ``--text-lengths``."""
+
+
+@dataclass(frozen=True)
+class TextTask:
+    """One text task at one length, in the zoo member interface's shape."""
+
+    task: str
+    length: int
+    tokenizer: object = None
+    eviction_trained: bool = False
+    max_new_tokens: int = ts.MAX_NEW_TOKENS
+
+    @property
+    def name(self) -> str:
+        return f"text {self.task} {self.length // 1024}K"
+
+    @property
+    def geometry(self) -> str:
+        return (
+            f"SmolLM2-135M-Instruct (30 layers, GQA 9/3), text only, {self.length}-token prompts: "
+            f"RULER-style `{self.task}`"
+        )
+
+    def make_examples(self, n: int, seed: int = 0, split: str = "heldout") -> list[ts.TextItem]:
+        return ts.items(self.task, self.length, split, n, seed, tokenizer=self.tokenizer)
+
+    def is_correct(self, text: str, item: ts.TextItem) -> bool:
+        return ts.is_correct(text, item)
+
+    def prompt_text(self, processor, item: ts.TextItem) -> str:
+        return ts.render(item, processor)
+
+
+def load_text_model():
+    from vlkv.tools.zoo.smollm2 import text_checkpoint
+
+    path = str(text_checkpoint())
+    return load_model(ModelConfig(path=path, dtype="bfloat16")), load_processor(path)
+
+
+def run_text(
+    tasks, lengths, n: int, seed: int, split: str, configs, budgets, chunk: int = 10, oracle: bool = True
+):
+    """Yields ``(name, result)`` per (task, length) as each finishes; ``result`` as ``zoo.run_member``'s
+    (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do."""
+    model, processor = load_text_model()
+    for length in lengths:
+        for task in tasks:
+            t = TextTask(task, length, processor.tokenizer)
+            yield t.name, run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle)
+    del model
+    gc.collect()
+
+
+def run_task(model, processor, t: TextTask, n, seed, split, configs, budgets, chunk, oracle) -> dict:
+    """Chunk by chunk: one prefill, the full cache's answers, then every row and the oracles. A task is
+    dropped once the full cache's accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over
+    the items so far is below it: no rows are run from then on), or when it ends below it."""
+    items = t.make_examples(n, seed, split)
+    parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
+    right: dict = {}
+    ms: list[int] = []
+    result = {"eviction_trained": False, "geometry": t.geometry}
+    for part in track(parts, desc=t.name, unit=f"{chunk} items"):
+        prepared = prepare(model, processor, part, progress=False, task=t)
+        ms += [p.m for p in prepared]
+        ids, full = full_answers(model, processor, prepared, t.max_new_tokens)
+        merge(right, full)
+        seen = right[FULL]["1.0"]
+        if wilson(sum(seen), len(seen))[1] < MIN_FULL:
+            result["dropped"] = f"full cache {sum(seen)} of {len(seen)} right: cannot reach {MIN_FULL}"
+            break
+        merge(right, score_rows(model, processor, prepared, ids, configs, budgets, t.max_new_tokens, oracle))
+        del prepared
+        gc.collect()
+    seen = right[FULL]["1.0"]
+    if "dropped" not in result and sum(seen) / len(seen) < MIN_FULL:
+        result["dropped"] = f"full cache {sum(seen) / len(seen):.3f} < {MIN_FULL}"
+    return result | {"hits": right, "m": sum(ms) / len(ms)}

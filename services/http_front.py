@@ -5,9 +5,13 @@
 a gRPC client would send and run through the gateway's own ``GatewayServicer.stream`` (validation,
 router, admission queue, workers, metrics labelled ``front="http"``). Streams are server-sent events.
 Errors answer in OpenAI's JSON error shape: the gateway's gRPC status becomes the HTTP status (400, 401,
-429, 503, 504); bodies over the size limit and images over ``max_image_bytes`` are 413. The bearer token is
-the gateway's ``api_token``. A client that disconnects cancels its request at once (the decode worker frees
-the blocks), while it waits for its first token as well as mid-stream.
+429, 503, 504); bodies over the size limit and images over ``max_image_bytes`` are 413. Bodies are parsed
+as strict UTF-8 JSON at most ``MAX_JSON_DEPTH`` deep (``openai_schema.load_json``); anything that fails
+while the client's input is read is a 400, and only a fault of the server itself is a 500 (still in
+OpenAI's shape). Remote image URLs on allowed hosts are fetched by ``image_fetch.ImageFetcher`` (one
+deadline per fetch, a size cap, a per-host limit), beside each other and cancelled with the request. The
+bearer token is the gateway's ``api_token``. A client that disconnects cancels its request at once (the
+decode worker frees the blocks), while it waits for its first token as well as mid-stream.
 
 ``http_server.HttpServer`` runs the app with uvicorn inside the gateway's event loop; ``deploy/servers.py``
 starts it.
@@ -16,14 +20,13 @@ starts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, replace
-from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +35,7 @@ from starlette.exceptions import HTTPException
 from vlkv.common.errors import VlkvError
 from vlkv.services.gateway import GatewayServicer
 from vlkv.services.http_server import BodyLimit
+from vlkv.services.image_fetch import FetchConfig, ImageFetcher
 from vlkv.services.openai_schema import (
     ApiError,
     ChatRequest,
@@ -41,10 +45,13 @@ from vlkv.services.openai_schema import (
     completion_to_proto,
     decode_data_url,
     finish_reason,
+    load_json,
     usage_json,
     validation_error,
 )
 from vlkv.v1 import generate_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +59,8 @@ class HttpFrontConfig:
     model_id: str = ""  # the one model /v1/models lists and requests name (deploy: the model's directory)
     max_body_bytes: int = 0  # 0: the gateway's limits.max_message_bytes (as for a gRPC message)
     allow_image_hosts: tuple[str, ...] = ()  # hosts whose http(s) image URLs are fetched; none by default
-    fetch_timeout_s: float = 10.0
+    fetch_deadline_s: float = 10.0  # one remote image, start to last byte (504 past it)
+    fetch_per_host: int = 4  # remote image fetches from one host:port at a time
 
 
 class _ClientGone(Exception):
@@ -90,7 +98,17 @@ def create_app(gateway: GatewayServicer, cfg: HttpFrontConfig = HttpFrontConfig(
     limits = gateway.cfg.limits
     token = gateway.cfg.security.api_token
     expected = f"Bearer {token}".encode()
-    app = FastAPI(title="vlkv OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    fetch = FetchConfig(cfg.allow_image_hosts, cfg.fetch_deadline_s, cfg.fetch_per_host)
+    fetcher = ImageFetcher(fetch, gateway.metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await fetcher.close()
+
+    app = FastAPI(
+        title="vlkv OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes or limits.max_message_bytes)
 
     async def authorize(request: Request) -> None:
@@ -114,6 +132,12 @@ def create_app(gateway: GatewayServicer, cfg: HttpFrontConfig = HttpFrontConfig(
     async def _gone(request: Request, exc: _ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it
 
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception) -> JSONResponse:
+        # Client input cannot get here (_build turns any failure to read it into a 400): a server fault.
+        log.error("HTTP front: %s %s failed: %r", request.method, request.url.path, exc)
+        return await _api_error(request, ApiError(500, "internal error; the server log has the details"))
+
     @app.get("/health")
     async def health() -> JSONResponse:
         router = gateway.router
@@ -128,33 +152,41 @@ def create_app(gateway: GatewayServicer, cfg: HttpFrontConfig = HttpFrontConfig(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
-        req = _parse(ChatRequest, await _json_body(request), cfg.model_id)
+        req = _build(_parse, ChatRequest, await request.body(), cfg.model_id)
         urls = req.image_urls()
         if len(urls) > limits.max_images:
             raise ApiError(
                 400, f"{len(urls)} images exceed the limit of {limits.max_images}", "invalid_argument"
             )
-        images = [await _image(url, limits.max_image_bytes, cfg) for url in urls]
+        images = await _until_disconnected(request, _images(urls, limits.max_image_bytes, fetcher))
         rid = uuid.uuid4().hex
-        return await _respond(gateway, request, chat_to_proto(req, images, rid), req, _Shape(chat=True), cfg)
+        pb = _build(chat_to_proto, req, images, rid)
+        return await _respond(gateway, request, pb, req, _Shape(chat=True), cfg)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
-        req = _parse(CompletionRequest, await _json_body(request), cfg.model_id)
-        rid = uuid.uuid4().hex
-        return await _respond(gateway, request, completion_to_proto(req, rid), req, _Shape(chat=False), cfg)
+        req = _build(_parse, CompletionRequest, await request.body(), cfg.model_id)
+        pb = _build(completion_to_proto, req, uuid.uuid4().hex)
+        return await _respond(gateway, request, pb, req, _Shape(chat=False), cfg)
 
     return app
 
 
-async def _json_body(request: Request) -> object:
+def _build(fn, *args):
+    """``fn(*args)`` on the client's input: whatever it fails with is the client's doing, a 400 (never a 500)."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_argument") from None
+        return fn(*args)
+    except ApiError:
+        raise
+    except Exception as exc:  # e.g. a value the protobuf runtime refuses that validation let through
+        log.info("HTTP front: unreadable request: %r", exc)
+        raise ApiError(
+            400, f"the request cannot be read: {type(exc).__name__}: {exc}", "invalid_argument"
+        ) from None
 
 
-def _parse(cls, body: object, model_id: str):
+def _parse(cls, raw: bytes, model_id: str):
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_argument")
     try:
@@ -169,37 +201,23 @@ def _parse(cls, body: object, model_id: str):
     return req
 
 
-async def _image(url: str, max_bytes: int, cfg: HttpFrontConfig) -> bytes:
-    """An image part's bytes: a data URL, or an http(s) URL on an allowed host (fetched, no redirects)."""
-    if url.startswith("data:"):
-        return decode_data_url(url, max_bytes)
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ApiError(400, "image URLs must be data: URLs (PNG or JPEG)", "invalid_image_url")
-    if parts.hostname not in cfg.allow_image_hosts:
-        raise ApiError(
-            400,
-            f"remote image URLs are not fetched (host {parts.hostname!r} is not allowed); send the image as a "
-            "data:image/png;base64,... URL",
-            "invalid_image_url",
+async def _images(urls: list[str], max_bytes: int, fetcher: ImageFetcher) -> list[bytes]:
+    """Each image part's bytes, fetched at once: data URLs decoded, http(s) URLs on allowed hosts fetched."""
+
+    async def one(url: str) -> bytes:
+        return (
+            decode_data_url(url, max_bytes)
+            if url.startswith("data:")
+            else await fetcher.fetch(url, max_bytes)
         )
-    return await asyncio.to_thread(_fetch, url, max_bytes, cfg.fetch_timeout_s)
 
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None  # a redirect could lead off the allowed hosts
-
-
-def _fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
+    tasks = [asyncio.ensure_future(one(url)) for url in urls]
     try:
-        with urllib.request.build_opener(_NoRedirect).open(url, timeout=timeout_s) as resp:
-            blob = resp.read(max_bytes + 1)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ApiError(400, f"cannot fetch image {url!r}: {exc}", "invalid_image_url") from None
-    if len(blob) > max_bytes:
-        raise ApiError(413, f"an image is over the limit of {max_bytes} bytes", "request_too_large")
-    return blob
+        return list(await asyncio.gather(*tasks))
+    finally:  # the first failure answers; the other fetches stop
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _until_disconnected(request: Request, aw):
@@ -283,6 +301,10 @@ async def _events(stream, first, head: dict, shape: _Shape, include_usage: bool,
             resp = await anext(stream)
     except VlkvError as exc:  # after the first token the status line is sent: the error is an event
         yield _sse(api_error(exc).body())
+        return
+    except Exception as exc:  # a server fault mid-stream still ends the stream with an error event
+        log.error("HTTP front: stream failed: %r", exc, exc_info=exc)
+        yield _sse(ApiError(500, "internal error; the server log has the details").body())
         return
     finally:
         await stream.aclose()

@@ -64,7 +64,7 @@ class HttpServer:
             port=port,
             ssl_certfile=security.cert or None,
             ssl_keyfile=security.key or None,
-            lifespan="off",
+            lifespan="on",  # the app's shutdown closes its image fetcher's connections
             ws="none",
             access_log=False,
             log_level="warning",

@@ -90,6 +90,19 @@ class GatewayMetrics:
             "kv_dtype",
             "state",
         )
+        # Remote image URLs of the HTTP front (services/image_fetch.py).
+        self.image_fetches = Counter("vlkv_image_fetches", "remote image fetches started", registry=r)
+        self.image_fetch_failures = Counter(
+            "vlkv_image_fetch_failures",
+            "remote image fetches that failed, by reason (timeout, too_large, status, connect, not_allowed, "
+            "redirect_refused, redirects, scheme, cancelled)",
+            ["reason"],
+            registry=r,
+        )
+        self.image_fetch_seconds = Histogram(
+            "vlkv_image_fetch_seconds", "time of a remote image fetch, success or not",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
 
 
 def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):

@@ -16,10 +16,12 @@ from typing import Annotated, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import from_json
 from vlkv.common.errors import Refusal, VlkvError
 from vlkv.v1 import generate_pb2
 
 UINT32 = (1 << 32) - 1
+MAX_JSON_DEPTH = 32  # nesting of a request body; OpenAI's own shapes need under 10
 DATA_URL_TYPES = ("image/png", "image/jpeg", "image/jpg")
 
 
@@ -69,6 +71,29 @@ def validation_error(exc: ValidationError) -> ApiError:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"])
     return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], "invalid_argument", param)
+
+
+def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """A request body parsed as strict UTF-8 JSON (``pydantic_core``'s Rust parser: its recursion limit
+    bounds the work, lone surrogates are refused) and at most ``max_depth`` levels deep; 400 otherwise."""
+    try:
+        body = from_json(raw)
+    except ValueError as exc:
+        if "recursion limit" in str(exc):
+            raise _too_deep(max_depth) from None
+        raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_argument") from None
+    stack = [(body, 1)] if isinstance(body, dict | list) else []
+    while stack:  # iterative: no Python recursion on hostile nesting
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise _too_deep(max_depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return body
+
+
+def _too_deep(max_depth: int) -> ApiError:
+    return ApiError(400, f"the body is nested deeper than {max_depth} levels", "invalid_argument")
 
 
 # ---------------------------------------------------------------------------------------------------------

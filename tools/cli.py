@@ -502,6 +502,11 @@ def cmd_bench(args) -> int:
         from vlkv.tools.bench.capacity import run as run_capacity
 
         return run_capacity(args.out if args.out != "out/bench" else "out/bench_capacity", args.quick)
+    if args.what == "soak":
+        from vlkv.tools.soak import main as run_soak
+
+        flags = ["-n", str(args.n), "--concurrency", str(args.concurrency), "--model", args.model]
+        return run_soak(flags + ["--chaos"] * args.chaos)
     if args.what == "handoff-latency":
         from vlkv.tools.bench import handoff_latency
 
@@ -649,14 +654,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmark report: vlkv (vlcache, full) against a Hugging Face server")
     p.add_argument(
         "what",
-        choices=["all", "image-reuse", "capacity", "kernels", "gpu", "handoff-latency"],
+        choices=["all", "image-reuse", "capacity", "kernels", "gpu", "handoff-latency", "soak"],
         help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
         "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
         "fp16 decode speed -> out/bench_capacity; kernels: the Triton kernels (CUDA) or their references "
         "(CPU) beside the roofline cost model -> out/bench_kernels; gpu: on a CUDA machine every GPU "
         "measurement in one report -> out/bench_gpu, on CPU a one-line notice; handoff-latency: p50/p99 of "
         "small gRPC hand-offs and 7B-layout throughput, --before a second checkout in the same run -> "
-        "out/bench_handoff)",
+        "out/bench_handoff); soak: -n requests at --concurrency through a local cluster, pools checked after, "
+        "--chaos through both fronts while workers are killed and stopped (tools/chaos_soak.py))",
     )
     p.add_argument("--quick", action="store_true", help="small counts: finishes within 10 minutes on 2 cores")
     p.add_argument("--out", default="out/bench", help="where report.md, results.json and the plots go")
@@ -668,7 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-load", action="store_true", help="image-reuse: skip the load run through the API")
     p.add_argument("--model-only", action="store_true", help="kernels: print the cost model, measure nothing")
     p.add_argument("--before", type=Path, default=None, help="handoff-latency: a checkout to measure beside")
-    p.add_argument("--n", type=int, default=1000, help="handoff-latency: hand-offs per size and checkout")
+    p.add_argument(
+        "--n", type=int, default=1000, help="handoff-latency: hand-offs per size and checkout; soak: requests"
+    )
+    p.add_argument("--concurrency", type=int, default=64, help="soak: requests in flight")
+    p.add_argument("--chaos", action="store_true", help="soak: SIGKILL/SIGSTOP workers during the load")
     p.add_argument("--repeats", type=int, default=7, help="handoff-latency: 7B-layout transfers per budget")
     p.add_argument(
         "--kv-transport",

@@ -1,9 +1,10 @@
-"""Bounded soak: ``python -m vlkv.tools.soak [-n 1000] [--concurrency 64]``.
+"""Bounded soak: ``python -m vlkv.tools.soak [-n 1000] [--concurrency 64] [--chaos]`` (``vlkv bench soak``).
 
 Starts a local cluster (Ray-placed workers) on the default model, sends ``n`` synthetic requests closed-loop
 at the given concurrency through the public API, prints latency percentiles and errors, and checks that
 every decode worker's KV pool is back to its starting free-block count. Exits non-zero on any error or
-leaked block.
+leaked block. ``--chaos``: the same load through both fronts while workers are killed and stopped
+(``tools/chaos_soak.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, PoolConfig, Serve
 from vlkv.common.grpc_server import make_channel
 from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.local import LocalCluster
+from vlkv.tools import chaos_soak
 from vlkv.tools.loadgen import format_summary, run_load_async, synthetic_workload
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -65,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--pool-mb", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    return asyncio.run(soak(p.parse_args(argv)))
+    p.add_argument("--chaos", action="store_true", help="kill and stop workers during the load")
+    chaos_soak.add_args(p)
+    args = p.parse_args(argv)
+    return asyncio.run(chaos_soak.chaos_soak(args) if args.chaos else soak(args))
 
 
 if __name__ == "__main__":

@@ -120,9 +120,16 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             tried.add(worker.address)
             worker.in_flight += 1
             try:
-                reply = await worker.stub.Prefill(
-                    request, timeout=self.cfg.transfer.deadline_s * 2, metadata=metadata
-                )
+                try:
+                    reply = await worker.stub.Prefill(
+                        request, timeout=self.cfg.transfer.deadline_s * 2, metadata=metadata
+                    )
+                except asyncio.CancelledError:
+                    if not _cancelled_under_us():
+                        raise
+                    raise grpc.aio.AioRpcError(  # as if the worker had gone: retried once elsewhere
+                        grpc.StatusCode.UNAVAILABLE, None, None, "the prefill worker was removed"
+                    ) from None
                 self.metrics.prefill.observe(reply.prefill_ms / 1000)
                 self.metrics.hand_off.observe(reply.transfer_ms / 1000)
                 if images:
@@ -286,7 +293,10 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     raise _NoRoom(failure) from None
                 raise failure from None
             if isinstance(exc, asyncio.CancelledError):
-                raise
+                if not _cancelled_under_us():
+                    raise  # the client went away
+                log.warning("decode worker %s left the router mid-call", decode.address)
+                raise VlkvError("the decode worker was removed", grpc.StatusCode.UNAVAILABLE) from None
             log.warning("decode worker %s failed: %s: %s", decode.address, exc.code().name, exc.details())
             raise VlkvError(f"the decode worker failed: {exc.details()}", _public_code(exc.code())) from None
         finally:
@@ -335,6 +345,15 @@ async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Futu
     usage.recomputed_image_tokens = reply.recomputed_image_tokens
     usage.recompute_ratio = reply.recompute_ratio
     usage.compression_profile = reply.compression_profile
+
+
+def _cancelled_under_us() -> bool:
+    """Whether a CancelledError came from the call, not from this task's cancellation: the router closes a
+    removed worker's channel, which cancels the calls still open on it. Those requests failed (UNAVAILABLE);
+    they were not cancelled by their client."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    return task is not None and cancelling is not None and cancelling() == 0
 
 
 def _prefill_failure(task: asyncio.Future) -> VlkvError | None:

@@ -237,6 +237,8 @@ async def _until_disconnected(request: Request, aw):
     finally:
         gone.cancel()
     if task in done:
+        if task.cancelled():  # cancelled inside the service, not by this client (which is still there)
+            raise ApiError(503, "the request was cancelled inside the service; retry it", "unavailable")
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

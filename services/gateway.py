@@ -7,7 +7,9 @@ the cache to that decode worker). A prefill failure cancels the token stream and
 prefill's status; a client that goes away cancels both. A decode worker that refuses the cache for lack of
 blocks (the load the gateway chose it on was stale: other requests, or other gateways, took the room
 first) costs one more pick, waiting in the admission queue, and one more prefill, for as long as the
-request's admission wait (``queue.admit_wait_s``) lasts: several gateways may share the workers.
+request's admission wait (``queue.admit_wait_s``) lasts: several gateways may share the workers. A decode
+worker that fails (UNAVAILABLE: dead, hung, removed) before the request's first token costs one more pick
+and prefill too, once, with a fresh admission wait: the client saw nothing yet.
 
 Validation (image decoding, the processor, tokenizing) is CPU-bound and runs in a small thread pool, never
 on the event loop, so a large request does not stall the others. Workers see only ids the gateway draws
@@ -215,6 +217,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + queue.admit_wait_s
         attempt = 0
+        lost: VlkvError | None = None  # a decode worker failed before the first token: retried once
         while True:
             wait_s = queue.admit_wait_s if attempt == 0 else max(give_up - loop.time(), 0.0)
             try:
@@ -222,6 +225,8 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     layer_tokens, sampling.max_new_tokens, wait_s, queue.max_waiting
                 )
             except ResourceExhausted:
+                if lost is not None:
+                    raise lost from None
                 if attempt == 0:
                     raise
                 msg = f"no decode worker had room for this request within {queue.admit_wait_s:g} s"
@@ -241,6 +246,12 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     raise exc.error from None
                 self.metrics.hand_off_retries.inc()
                 log.info("request %s: %s; waiting for room again", rid, exc.error.message)
+            except _DecodeLost as exc:  # nothing reached the client yet: once more, on a worker with room
+                if lost is not None:
+                    raise exc.error from None
+                lost, attempt = exc.error, attempt + 1
+                give_up = loop.time() + queue.admit_wait_s
+                log.warning("request %s: %s; retrying once on another decode worker", rid, exc.error.message)
 
     async def _run(
         self,
@@ -291,14 +302,19 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             if failure is not None:
                 if last is None and _refused_for_room(failure):
                     raise _NoRoom(failure) from None
+                if last is None and failure.reason == Refusal.REFUSAL_HAND_OFF_FAILED:
+                    raise _DecodeLost(failure) from None
                 raise failure from None
             if isinstance(exc, asyncio.CancelledError):
                 if not _cancelled_under_us():
                     raise  # the client went away
-                log.warning("decode worker %s left the router mid-call", decode.address)
-                raise VlkvError("the decode worker was removed", grpc.StatusCode.UNAVAILABLE) from None
-            log.warning("decode worker %s failed: %s: %s", decode.address, exc.code().name, exc.details())
-            raise VlkvError(f"the decode worker failed: {exc.details()}", _public_code(exc.code())) from None
+                error = VlkvError("the decode worker was removed", grpc.StatusCode.UNAVAILABLE)
+            else:
+                error = VlkvError(f"the decode worker failed: {exc.details()}", _public_code(exc.code()))
+            log.warning("decode worker %s failed: %s", decode.address, error.message)
+            if last is None and error.code == grpc.StatusCode.UNAVAILABLE:
+                raise _DecodeLost(error) from None
+            raise error from None
         finally:
             slot.settle()
             decode.in_flight -= 1
@@ -309,6 +325,14 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
 
 class _NoRoom(Exception):
     """The chosen decode worker refused the cache for lack of blocks (before any token was streamed)."""
+
+    def __init__(self, error: VlkvError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _DecodeLost(Exception):
+    """The chosen decode worker failed (or its hand-off did) before any token was streamed."""
 
     def __init__(self, error: VlkvError) -> None:
         super().__init__(error.message)

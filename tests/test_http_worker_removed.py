@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import openai
 import pytest
-from vlkv.tools.client import build_request
+from vlkv.common.config import PoolConfig, TransferConfig
+from vlkv.deploy.servers import start_decode_worker, start_gateway, start_prefill_worker
+from vlkv.tools.client import build_request, connect, generate
 
 from tests.test_e2e_equality import random_png
-from tests.test_http_front import MODEL, Front, Q, chat, data_url
+from tests.test_http_front import MODEL, TOKEN, Front, Q, chat, data_url
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +78,42 @@ def test_decode_worker_removed_mid_stream_ends_grpc_stream_with_unavailable(fron
         model=MODEL, messages=chat(data_url(random_png(5))), max_tokens=2
     )
     assert out.usage.completion_tokens == 2
+
+
+def test_decode_worker_lost_before_the_first_token_is_retried_on_another(front):
+    """The request's decode worker fails while the cache is still on its way (a slow hand-off): nothing has
+    reached the client, so the gateway runs the request once more on the other decode worker."""
+    cl = front.cluster
+    slow = replace(front.cfg, transfer=TransferConfig(fault_chunk_delay_ms=1000))
+    prefill = cl.run(start_prefill_worker(slow, model=cl.model, processor=cl.processor))
+    roomy = replace(front.cfg, pool=PoolConfig(pool_bytes=16 << 20))  # the most room: picked first
+    doomed = cl.run(start_decode_worker(roomy, model=cl.model, tokenizer=cl.processor.tokenizer))
+    for d in (doomed, cl.decode):
+        prefill.servicer.allow_decode(d.address)
+    decode = [doomed.address, cl.decode.address]
+    gateway = cl.run(start_gateway(front.cfg, [prefill.address], decode, processor=cl.processor))
+    router = gateway.servicer.router
+    channel, stub = connect(gateway.address, token=TOKEN)
+    free = cl.pool.num_free
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(router.decode[a].load.total_blocks for a in decode):
+            time.sleep(0.02)
+        request = build_request(images=[random_png(6)], question=Q, max_new_tokens=5, policy="full")
+        call = threading.Thread(target=lambda: out.append(generate(stub, request, timeout=60)))
+        out: list = []
+        call.start()
+        while time.monotonic() < end and not router.decode[doomed.address].in_flight:
+            time.sleep(0.01)
+        assert router.decode[doomed.address].in_flight == 1  # its cache is on its way there, slowly
+        cl.run(doomed.server.stop(0))  # the worker fails hard: no grace, no drain
+        call.join(60)
+        assert out and out[0].finished is not None and len(out[0].token_ids) == 5
+        end = time.monotonic() + 10
+        while time.monotonic() < end and cl.pool.num_free != free:
+            time.sleep(0.02)
+        assert cl.pool.num_free == free  # served on the other worker, whose blocks are back
+    finally:
+        channel.close()
+        for server in (gateway, prefill, doomed):
+            cl.run(server.stop())

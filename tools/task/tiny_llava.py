@@ -111,15 +111,9 @@ def build_processor(
     kind: Kind = "llava",
 ) -> LlavaProcessor | LlavaNextProcessor:
     """A real LlavaProcessor / LlavaNextProcessor for ``image_size`` square inputs, fully offline."""
-    common = dict(
-        size={"height": image_size, "width": image_size},
-        crop_size={"height": image_size, "width": image_size},
-        do_center_crop=True,
-        do_resize=True,
-        do_rescale=True,
-        do_normalize=True,
-        do_convert_rgb=True,
-    )
+    square = {"height": image_size, "width": image_size}
+    steps = ("do_center_crop", "do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+    common = dict(size=square, crop_size=dict(square)) | dict.fromkeys(steps, True)
     proc_kwargs = dict(
         tokenizer=tokenizer,
         patch_size=patch_size,
@@ -186,15 +180,11 @@ def tiny_llava_config(
         eos_token_id=eos_token_id,
         tie_word_embeddings=False,
     )
-    common = dict(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=image_token_id,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-        tie_word_embeddings=False,
+    common = dict(vision_config=vision, text_config=text, image_token_index=image_token_id)
+    common |= dict(
+        projector_hidden_act="gelu", vision_feature_select_strategy="default", vision_feature_layer=-1
     )
+    common["tie_word_embeddings"] = False
     if kind == "llava":
         cfg = LlavaConfig(image_seq_length=tokens_per_image(image_size, patch_size), **common)
     elif kind == "llava_next":

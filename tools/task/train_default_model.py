@@ -28,18 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import random
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
-from vlkv.tools.progress import progress
-from vlkv.tools.task.eviction import eviction_masks, use_layered_attention
 from vlkv.tools.task.synthetic_task import (
     COLOURS,
     FULL,
@@ -49,62 +43,38 @@ from vlkv.tools.task.synthetic_task import (
     LONG_KIND,
     LONG_MAX_NEW_TOKENS,
     LOW,
-    MAX_NEW_TOKENS,
     PATCH_SIZE,
     SHAPES,
     SYSTEM_PROMPT,
     VOCAB,
     Example,
     make_example,
-    make_examples,
     patch_labels,
     scene_questions,
 )
 from vlkv.tools.task.tiny_llava import build_processor, build_tiny, tokens_per_image
 from vlkv.tools.zoo.accuracy import full_cache_accuracy
 from vlkv.tools.zoo.default import MEMBER
+from vlkv.tools.zoo.trainer import Probe, Recipe, Stage, interpolate_positions
+from vlkv.tools.zoo.trainer import main as train_command
 
-DEFAULTS = dict(
-    steps=2400,
-    max_turns=1,
-    lookup_only_steps=1700,
-    batch_size=16,
-    lr=1e-3,
-    warmup=50,
-    weight_decay=0.01,
-    seed=1234,
-    data_seed=0,
-    eval_n=300,
-    eval_seed=0,
-    long_eval_n=100,
-    layers=4,
-    hidden=128,
-    heads=4,
-    kv_heads=2,
-    vision_hidden=64,
-    vision_layers=2,
-    threads=2,
-    warmup_scene_steps=1400,
-    low_res_steps=0,
-    rope_theta=1e6,
-    warmup_max_objects=4,
-    warmup_ramp_steps=1600,
-    probe_steps=150,
-    evict_steps=1400,
-    evict_lr=5e-4,
-    evict_data_seed=11,
-    evict_seed=0,
+DEFAULTS = (
+    dict(
+        steps=2400, max_turns=1, lookup_only_steps=1700, batch_size=16, lr=1e-3, warmup=50, weight_decay=0.01
+    )
+    | dict(seed=1234, data_seed=0, eval_n=300, eval_seed=0, long_eval_n=100, threads=2)
+    | dict(layers=4, hidden=128, heads=4, kv_heads=2, vision_hidden=64, vision_layers=2, rope_theta=1e6)
+    | dict(
+        warmup_scene_steps=1400,
+        low_res_steps=0,
+        warmup_max_objects=4,
+        warmup_ramp_steps=1600,
+        probe_steps=150,
+    )
+    | dict(evict_steps=1400, evict_lr=5e-4, evict_data_seed=11, evict_seed=0)
 )
 # per KINDS: counting and the two-region kind, the slowest to learn, weigh most; the long kind joins here
 EVICT_KIND_WEIGHTS = [0.15, 0.2, 0.15, 0.25, 0.25]
-
-
-def set_determinism(seed: int, threads: int = 1) -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    random.seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def conversation(
@@ -139,50 +109,6 @@ def conversation(
         msgs += [{"role": "user", "content": qa.question}, {"role": "assistant", "content": qa.answer}]
         n_extra -= 1
     return msgs
-
-
-def answer_mask(ids: torch.Tensor, assistant_id: int, colon_id: int, eos_id: int) -> torch.Tensor:
-    """True on every token after "ASSISTANT :" up to and including the next eos."""
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    inside = False
-    for j in range(len(ids)):
-        t = int(ids[j])
-        if inside:
-            mask[j] = True
-            if t == eos_id:
-                inside = False
-        elif t == colon_id and j > 0 and int(ids[j - 1]) == assistant_id:
-            inside = True
-    return mask
-
-
-def collate(processor, chats: list[tuple[Example, list[dict]]]) -> dict[str, torch.Tensor]:
-    """Right-padded batch; labels are -100 everywhere but the answers and their closing eos."""
-    tok = processor.tokenizer
-    a_id, c_id = tok.convert_tokens_to_ids("ASSISTANT"), tok.convert_tokens_to_ids(":")
-    ids, labels, pixels = [], [], []
-    for ex, msgs in chats:
-        text = processor.apply_chat_template(msgs)
-        enc = processor(images=ex.images, text=text, return_tensors="pt")
-        seq = enc["input_ids"][0]
-        lab = torch.where(answer_mask(seq, a_id, c_id, tok.eos_token_id), seq, torch.full_like(seq, -100))
-        ids.append(seq)
-        labels.append(lab)
-        pixels.append(enc["pixel_values"])
-    width = max(len(s) for s in ids)
-    input_ids = torch.full((len(ids), width), tok.pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(ids), width), dtype=torch.long)
-    lab_t = torch.full((len(ids), width), -100, dtype=torch.long)
-    for i, (s, lab) in enumerate(zip(ids, labels, strict=True)):
-        input_ids[i, : len(s)] = s
-        attn[i, : len(s)] = 1
-        lab_t[i, : len(s)] = lab
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attn,
-        "labels": lab_t,
-        "pixel_values": torch.cat(pixels, 0),
-    }
 
 
 def batches(
@@ -250,67 +176,8 @@ def probe_targets(chats: list[tuple[Example, list[dict]]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def probe_loss(head: torch.nn.Linear, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Stage 1: a linear probe on each projected vision token names its shape and its colour (background
-    included), so the features the decoder starts from carry both linearly."""
-    logits = head(features).reshape(-1, len(SHAPES) + 1 + len(COLOURS) + 1)
-    shape, colour = targets.reshape(-1, 2).unbind(-1)
-    ce = torch.nn.functional.cross_entropy
-    return ce(logits[:, : len(SHAPES) + 1], shape) + ce(logits[:, len(SHAPES) + 1 :], colour)
-
-
-def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def evict_stage(model, processor, args: argparse.Namespace) -> None:
-    """Stage 5: eviction-robust fine-tuning (``eviction.py``), the long kind in the mix, deterministic from
-    ``--evict-seed``."""
-    torch.manual_seed(args.evict_seed)
-    rng = random.Random(args.evict_seed)
-    steps = args.evict_steps
-    opt = torch.optim.AdamW(model.parameters(), lr=args.evict_lr, betas=(0.9, 0.98), weight_decay=0.01)
-    stream = batches(args.evict_data_seed, args.batch_size, 1, mix_weights=EVICT_KIND_WEIGHTS)
-    image_token_id = model.config.image_token_id
-    num_layers = model.config.text_config.num_hidden_layers
-    use_layered_attention(model)
-    model.train()
-    t0 = time.time()
-    for step in progress(range(steps), desc="train: eviction stage", unit="step"):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, args.evict_lr, 20)
-        chats = next(stream)
-        batch = collate(processor, chats)
-        masks = eviction_masks(
-            batch["input_ids"],
-            batch["labels"],
-            batch["attention_mask"],
-            [ex for ex, _ in chats],
-            image_token_id,
-            num_layers,
-            rng,
-        )
-        batch["attention_mask"] = masks[0]
-        batch["evict_masks"] = masks
-        loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 25 == 0 or step == steps - 1:
-            print(
-                f"evict step {step:5d} loss {loss.item():.4f} elapsed {time.time() - t0:7.1f}s",
-                flush=True,
-            )
-    model.set_attn_implementation({"text_config": "sdpa"})
-    model.eval()
-
-
-def train(args: argparse.Namespace) -> dict:
-    set_determinism(args.seed, args.threads)
+def build(args: argparse.Namespace):
+    """The model (from random init, or ``--init-from`` a saved model of stages 1-4) and its two stages."""
     tok, processor, cfg = build_tiny(
         VOCAB,
         kind="llava",
@@ -332,120 +199,58 @@ def train(args: argparse.Namespace) -> dict:
         processor = AutoProcessor.from_pretrained(args.init_from)
         model = LlavaForConditionalGeneration.from_pretrained(args.init_from, dtype=torch.float32)
         args.steps = 0
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"params={n_params} vocab={len(tok)} tokens/image={tokens_per_image(IMAGE_SIZE, PATCH_SIZE)}",
-        flush=True,
-    )
-
-    head = torch.nn.Linear(cfg.text_config.hidden_size, len(SHAPES) + 1 + len(COLOURS) + 1)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    decay += list(head.parameters()) if args.probe_steps else []
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.98),
-    )
-    stream = batches(
-        args.data_seed,
-        args.batch_size,
-        args.max_turns,
-        args.lookup_only_steps,
-        args.warmup_scene_steps,
-        args.low_res_steps,
-        args.warmup_max_objects,
-        args.warmup_ramp_steps,
-    )
     low_processor = build_processor(tok, image_size=LOW.image, patch_size=PATCH_SIZE)
-    # CLIP interpolates its position embeddings to the smaller grid of the first stage (a no-op at full size)
-    model.model.vision_tower.embeddings.register_forward_pre_hook(
-        lambda mod, args_, kwargs: (args_, {**kwargs, "interpolate_pos_encoding": True}), with_kwargs=True
-    )
-    projected: list[torch.Tensor] = []
-    capture = model.model.multi_modal_projector.register_forward_hook(
-        lambda mod, inp, out: projected.append(out)
-    )
-    t0 = time.time()
-    model.train()
-    ema = None
-    for step in progress(range(args.steps), desc="train", unit="step"):
-        chats = next(stream)
-        batch = collate(low_processor if step < args.low_res_steps else processor, chats)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        projected.clear()
-        if step < args.probe_steps:  # stage 1: vision tower and projector only, with a linear probe head
-            model.model.get_image_features(pixel_values=batch["pixel_values"])
-            loss = probe_loss(head, projected[0], probe_targets(chats))
-        else:
-            loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % 25 == 0 or step == args.steps - 1:
-            print(
-                f"step {step:5d} loss {loss.item():.4f} ema {ema:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"elapsed {time.time() - t0:7.1f}s",
-                flush=True,
-            )
-        if args.eval_every and step and step % args.eval_every == 0:
-            model.eval()
-            acc, per = full_cache_accuracy(
-                MEMBER, model, processor, make_examples(100, args.eval_seed + 1, "heldout")
-            )
-            print(
-                f"  eval@{step}: acc {acc:.3f} {json.dumps({k: round(v, 3) for k, v in per.items()})}",
-                flush=True,
-            )
-            model.train()
-    capture.remove()
-    projected.clear()
-    if args.evict_steps:
-        evict_stage(model, processor, args)
-    train_time = time.time() - t0
-    model.eval()
+    interpolate_positions(model)  # the first stage's smaller grid (a no-op at full size)
 
-    t1 = time.time()
-    acc, per_kind = full_cache_accuracy(
-        MEMBER, model, processor, make_examples(args.eval_n, args.eval_seed, "heldout")
-    )
-    eval_time = time.time() - t1
-    print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_time:.1f}s): {per_kind}", flush=True)
-    long_examples = [
-        make_example(i, args.eval_seed, "heldout", kind=LONG_KIND) for i in range(args.long_eval_n)
+    def main_stream(steps: int) -> Iterator[list]:
+        return batches(
+            args.data_seed,
+            args.batch_size,
+            args.max_turns,
+            args.lookup_only_steps,
+            args.warmup_scene_steps,
+            args.low_res_steps,
+            args.warmup_max_objects,
+            args.warmup_ramp_steps,
+        )
+
+    def evict_stream(steps: int) -> Iterator[list]:
+        return batches(args.evict_data_seed, args.batch_size, 1, mix_weights=EVICT_KIND_WEIGHTS)
+
+    low = (lambda i: low_processor if i < args.low_res_steps else processor) if args.low_res_steps else None
+    probe = Probe(args.probe_steps, len(SHAPES), probe_targets) if args.probe_steps else None
+    stages = [
+        Stage(
+            "stages 1-4",
+            args.steps,
+            args.lr,
+            main_stream,
+            args.warmup,
+            probe=probe,
+            processor_at=low,
+            weight_decay=args.weight_decay,
+        ),
+        Stage(
+            "eviction-robust",
+            args.evict_steps,
+            args.evict_lr,
+            evict_stream,
+            warmup=20,
+            evict_seed=args.evict_seed,
+            decay_groups=False,
+        ),
     ]
-    long_acc, _ = (
-        full_cache_accuracy(MEMBER, model, processor, long_examples, LONG_MAX_NEW_TOKENS)
-        if long_examples
-        else (0.0, {})
-    )
-    print(f"held-out accuracy of the long kind {long_acc:.4f} on {args.long_eval_n}", flush=True)
+    return model, processor, stages
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "TRAINING.md")
-    record = {
-        "command": "python -m vlkv.tools.task.train_default_model " + " ".join(sys.argv[1:]),
-        "train_seconds": round(train_time, 1),
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "max_turns": args.max_turns,
-        "lookup_only_steps": args.lookup_only_steps,
-        "warmup_scene_steps": args.warmup_scene_steps,
-        "low_res_steps": args.low_res_steps,
-        "evict_steps": args.evict_steps,
-        "evict_lr": args.evict_lr,
+
+def report(model, processor, args: argparse.Namespace) -> dict:
+    """The long kind's held-out accuracy and the facts ``TRAINING.md`` states."""
+    longs = [make_example(i, args.eval_seed, "heldout", kind=LONG_KIND) for i in range(args.long_eval_n)]
+    long_acc = full_cache_accuracy(MEMBER, model, processor, longs, LONG_MAX_NEW_TOKENS)[0] if longs else 0.0
+    print(f"held-out accuracy of the long kind {long_acc:.4f} on {args.long_eval_n}", flush=True)
+    return {
         "init_from": args.init_from or None,
         "prior_stages_seconds": _prior_seconds(args.init_from) if args.init_from else None,
-        "threads": args.threads,
-        "params": n_params,
-        "size_bytes": size,
         "dtype": "float32",
         "image_size": IMAGE_SIZE,
         "patch_size": PATCH_SIZE,
@@ -457,17 +262,9 @@ def train(args: argparse.Namespace) -> dict:
             "kv_heads": args.kv_heads,
         },
         "vision": {"layers": args.vision_layers, "hidden": args.vision_hidden},
-        "heldout_accuracy": round(acc, 4),
-        "heldout_n": args.eval_n,
         "heldout_seed": args.eval_seed,
-        "heldout_per_kind": {k: round(v, 4) for k, v in per_kind.items()},
         "heldout_long": {"kind": LONG_KIND, "n": args.long_eval_n, "accuracy": round(long_acc, 4)},
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "torch": torch.__version__,
     }
-    write_training_md(out / "TRAINING.md", record)
-    print(json.dumps(record, indent=1), flush=True)
-    return record
 
 
 def _prior_seconds(model_dir: str) -> float | None:
@@ -547,16 +344,11 @@ def write_training_md(path: Path, rec: dict) -> None:
     path.write_text("\n".join(lines))
 
 
+RECIPE = Recipe(MEMBER, DEFAULTS | {"init_from": ""}, build, report, write_training_md)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), dest=k, type=type(v), default=v)
-    p.add_argument("--eval-every", dest="eval_every", type=int, default=0)
-    p.add_argument(
-        "--init-from", dest="init_from", default="", help="a saved model of stages 1-4 (skips them)"
-    )
-    train(p.parse_args(argv))
+    train_command(RECIPE, argv)
 
 
 if __name__ == "__main__":

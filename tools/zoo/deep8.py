@@ -1,12 +1,12 @@
 """Zoo member ``deep8``: 8 decoder layers (dense early, sparse later) and answers that read two far-apart regions.
 
-Task (``next_scenes``): a 336x336 image holds one object (5x5 patches, 70 px) in each of its four corners,
+Task (scenes from ``scenes``): a 336x336 image holds one object (5x5 patches, 70 px) in each of its four corners,
 pairwise distinct in shape and in colour. The question names the shapes of two objects in *opposite* corners
 (top-left and bottom-right, or top-right and bottom-left; 15-19 patches apart on both axes), the answer names
 both colours: ``"what colour are the cross and the circle ?" -> "the cross red and the circle blue ."``
 (deciding words: the 3rd and the 7th generated tokens; the second look-up lands on the far corner). The
 question kind is the default task's two-shape one; what is new is that the two regions are always far apart
-(see next_scenes: the colour-keyed inverse did not train in time).
+(see ``scenes``: the colour-keyed inverse did not train in time).
 
 Geometry: plain LLaVA, 576 vision tokens per image (24x24), **8 decoder layers**, GQA 4/2. The 8 layers start
 from the default model's 4, each used twice with half its residual output (o_proj and down_proj x 0.5, so the
@@ -16,24 +16,18 @@ layers and sparse in the later ones, as LLaVA-7B's is; training then is the ordi
 answer with full attention (no eviction-robust stage): stage 0 on 168 px images (144 tokens; one-key
 questions with one occupied corner at first, four by mid-stage, then half two-key), stage 1 at 336 px (20%
 one-key). ``python -m vlkv.tools.zoo.deep8 --out DIR`` prints
-the per-layer sparsity of the result (``next_scenes.layer_sparsities``).
+the per-layer sparsity of the result (``sparsity.layer_sparsities``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
-
 import torch
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Obj
-from vlkv.tools.zoo import next_scenes as ns
-from vlkv.tools.zoo.accuracy import full_cache_accuracy
+from vlkv.tools.zoo.batching import consecutive
 from vlkv.tools.zoo.interface import Member
 from vlkv.tools.zoo.scenes import PATCH, example_rng, qa_one, qa_two, render
 from vlkv.tools.zoo.sparsity import layer_sparsities
+from vlkv.tools.zoo.trainer import Recipe, Stage, interpolate_positions, main
 
 NAME = "deep8"
 MAX_NEW_TOKENS = 12  # "the red cross and the blue circle ." is 8 tokens + eos
@@ -97,13 +91,7 @@ def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example
     return [make_example(i, seed, split) for i in range(n)]
 
 
-MEMBER = Member(
-    name=NAME,
-    model_dir=Path(__file__).resolve().parent / "models" / NAME,
-    max_new_tokens=MAX_NEW_TOKENS,
-    geometry=GEOMETRY,
-    make_examples=make_examples,
-)
+MEMBER = Member.shipped(NAME, MAX_NEW_TOKENS, GEOMETRY, make_examples)
 
 
 def build_model(seed: int):
@@ -134,26 +122,22 @@ def build_model(seed: int):
     return model
 
 
-def train(args: argparse.Namespace) -> dict:
+def build(args):
+    """Stage 0 on 168 px images (144 tokens; one-key questions with one occupied corner at first and four by
+    the middle of the stage, then half the questions two-key), stage 1 at 336 px (``single_percent`` one-key)."""
     from vlkv.common.config import DEFAULT_MODEL_DIR
     from vlkv.common.model.loading import load_processor
     from vlkv.tools.task.tiny_llava import build_processor as tiny_processor
 
-    ns.set_determinism(args.seed, args.threads)
     processor = load_processor(str(DEFAULT_MODEL_DIR))
     model = build_model(args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-
     low_proc = tiny_processor(processor.tokenizer, image_size=LOW_SIZE, patch_size=PATCH)
     low_proc.chat_template = processor.chat_template
-    model.model.vision_tower.embeddings.register_forward_pre_hook(
-        lambda mod, a, kw: (a, {**kw, "interpolate_pos_encoding": True}), with_kwargs=True
-    )
+    interpolate_positions(model)
     ramp = max(1, args.low_steps * args.batch_size // 2)
+    bs = args.batch_size
 
     def low(i: int) -> Example:
-        # stage 0: one-key questions, one occupied corner at first and four by the middle of the stage, then
-        # half the questions two-key
         if i < ramp or (i * 7919) % 100 < 50:
             return make_example(i, args.data_seed, "train", True, True, min(4, 1 + 4 * i // ramp))
         return make_example(i, args.data_seed, "train", low=True)
@@ -161,80 +145,30 @@ def train(args: argparse.Namespace) -> dict:
     def full(i: int) -> Example:
         return make_example(i, args.data_seed, "train", single=(i * 7919) % 100 < args.single_percent)
 
-    def peek(step: int) -> None:
-        if args.eval_every and step and step % args.eval_every == 0:
-            model.eval()
-            acc, _ = full_cache_accuracy(MEMBER, model, processor, make_examples(50, 1, "heldout"))
-            print(f"  eval@{step}: {acc:.3f}", flush=True)
-
-    t0 = time.time()
-    s0 = ns.finetune(model, low_proc, ns.batches(low, args.batch_size), args.low_steps, args.lr, args.warmup)
-    s1 = ns.finetune(
+    return (
         model,
         processor,
-        ns.batches(full, args.batch_size),
-        args.steps,
-        args.full_lr,
-        args.warmup,
-        on_log=peek,
+        [
+            Stage("168 px", args.low_steps, args.lr, lambda n: consecutive(low, bs), args.warmup, low_proc),
+            Stage("336 px", args.steps, args.full_lr, lambda n: consecutive(full, bs), args.warmup),
+        ],
     )
-    train_s = time.time() - t0
-    t1 = time.time()
-    acc, per_kind = full_cache_accuracy(MEMBER, model, processor, make_examples(args.eval_n, 0, "heldout"))
-    eval_s = time.time() - t1
-    print(f"held-out accuracy {acc:.4f} on {args.eval_n} ({eval_s:.0f}s)", flush=True)
+
+
+def report(model, processor, args) -> dict:
+    """The per-layer post-vision sparsity of the result."""
     sparsity = layer_sparsities(model, processor, make_examples(args.sparsity_n, 0, "heldout"))
     print("per-layer post-vision sparsity (p=0.01):", [round(x, 3) for x in sparsity], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.suffix not in (".md", ".json"))
-    record = {
-        "command": f"python -m vlkv.tools.zoo.{NAME} " + " ".join(sys.argv[1:]),
-        "train_seconds": round(train_s, 1),
-        "stage_seconds": [round(s0, 1), round(s1, 1)],
-        "command_seconds": round(time.time() - t0, 1),
-        **{k: v for k, v in vars(args).items() if k != "out"},
-        "layer_map": LAYER_MAP,
-        "q_scale": Q_SCALE,
-        "params": n_params,
-        "size_bytes": size,
-        "heldout_accuracy": round(acc, 4),
-        "heldout_n": args.eval_n,
-        "heldout_per_kind": per_kind,
-        "layer_sparsity": [round(x, 4) for x in sparsity],
-        "torch": torch.__version__,
-    }
-    (out / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record, indent=1), flush=True)
-    return record
+    return {"layer_map": LAYER_MAP, "q_scale": Q_SCALE, "layer_sparsity": [round(x, 4) for x in sparsity]}
 
 
-DEFAULTS = dict(
-    low_steps=100,
-    steps=60,
-    single_percent=20,
-    batch_size=8,
-    lr=1e-3,
-    full_lr=5e-4,
-    warmup=20,
-    seed=0,
-    data_seed=0,
-    threads=1,
-    eval_n=300,
-    eval_every=0,
-    sparsity_n=50,
+RECIPE = Recipe(
+    MEMBER,
+    dict(low_steps=100, steps=60, single_percent=20, lr=1e-3, full_lr=5e-4, sparsity_n=50)
+    | dict(batch_size=8, warmup=20, seed=0, data_seed=0, threads=1, eval_n=300),
+    build,
+    report,
 )
 
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), dest=k, type=type(v), default=v)
-    train(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    main()
+    main(RECIPE)

@@ -23,12 +23,11 @@ joining at 30%.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Geometry
 from vlkv.tools.zoo.interface import Member
 from vlkv.tools.zoo.scenes import example_rng, place, render_image
-from vlkv.tools.zoo.training import Arch, Recipe, train_member
+from vlkv.tools.zoo.trainer import main
+from vlkv.tools.zoo.training import Arch, small_llava
 
 NAME = "grid16"
 GEOM = Geometry(image=224, patch=14, span=4)  # 16 x 16 patches; a shape covers 4 x 4 of them
@@ -83,23 +82,8 @@ def train_example(index: int, frac: float) -> Example:
     return make_example(index, 0, "train", kind=kind, max_objects=max_objects)
 
 
-MEMBER = Member(
-    name=NAME,
-    model_dir=Path(__file__).resolve().parent / "models" / NAME,
-    max_new_tokens=MAX_NEW_TOKENS,
-    geometry=GEOMETRY,
-    make_examples=make_examples,
-)
-RECIPE = Recipe(
-    member=MEMBER,
-    words=WORDS,
-    system_prompt=None,
-    arch=ARCH,
-    object_kinds=tuple(SHAPES),
-    train_example=train_example,
-    steps=800,
-    probe_steps=50,
-)
+MEMBER = Member.shipped(NAME, MAX_NEW_TOKENS, GEOMETRY, make_examples)
+RECIPE = small_llava(MEMBER, WORDS, None, ARCH, train_example, tuple(SHAPES), steps=800, probe_steps=50)
 
 if __name__ == "__main__":
-    train_member(RECIPE)
+    main(RECIPE)

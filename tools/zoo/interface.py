@@ -1,8 +1,8 @@
 """One zoo member: what the evaluation, the tests and the trainer need to know about it.
 
 A member module ``vlkv.tools.zoo.<name>`` defines ``MEMBER = Member(...)`` (its task and checkpoint) and, when
-it is trained here, runs ``vlkv.tools.zoo.trainer.main(MEMBER, RECIPE)`` under ``__main__`` (its training
-command). Every member is scored by the one ``is_correct`` (``synthetic_task.is_correct`` over the member's
+it is trained here, ``RECIPE = Recipe(MEMBER, ...)`` with its declared stages (``tools/zoo/trainer.py``), run
+by ``trainer.main(RECIPE)`` under ``__main__`` (its training command). Every member is scored by the one ``is_correct`` (``synthetic_task.is_correct`` over the member's
 ``scored`` words) and prompted by the one ``prompt_text`` (the checkpoint's chat template).
 """
 
@@ -41,6 +41,18 @@ class Member:
     make_examples: Callable[..., list[Example]]
     scored: frozenset[str] = synthetic_task.CONTENT_WORDS
     eviction_trained: bool = False
+
+    @classmethod
+    def shipped(cls, name: str, max_new_tokens: int, geometry: str, make_examples, **facts) -> Member:
+        """A member whose checkpoint ships in ``tools/zoo/models/<name>/``."""
+        return cls(
+            name,
+            Path(__file__).resolve().parent / "models" / name,
+            max_new_tokens,
+            geometry,
+            make_examples,
+            **facts,
+        )
 
     def is_correct(self, generated_text: str, example: Example) -> bool:
         """True iff the ``scored`` words of the generated text (up to the first eos) are the answer's."""

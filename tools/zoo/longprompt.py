@@ -33,13 +33,13 @@ the silhouette too: a linear probe named a card's pattern on 0.62 of its patches
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example, Geometry
 from vlkv.tools.zoo import grid16
 from vlkv.tools.zoo.interface import Member
 from vlkv.tools.zoo.scenes import example_rng, place, render_image
-from vlkv.tools.zoo.training import Arch, Recipe, train_member
+from vlkv.tools.zoo.trainer import main
+from vlkv.tools.zoo.training import Arch, small_llava
 
 NAME = "longprompt"
 GEOM = Geometry(image=168, patch=14, span=4)  # 12 x 12 patches; a shape covers 4 x 4 of them
@@ -147,26 +147,12 @@ def train_example(index: int, frac: float) -> Example:
     return make_example(index, 0, "train", max_objects=max_objects, min_question_tokens=max(0, min_tokens))
 
 
-MEMBER = Member(
-    name=NAME,
-    model_dir=Path(__file__).resolve().parent / "models" / NAME,
-    max_new_tokens=MAX_NEW_TOKENS,
-    geometry=GEOMETRY,
-    make_examples=make_examples,
-)
-RECIPE = Recipe(
-    member=MEMBER,
-    words=WORDS,
-    system_prompt=SYSTEM_PROMPT,
-    arch=ARCH,
-    object_kinds=tuple(SHAPES),
-    train_example=train_example,
-    steps=160,
-    probe_steps=0,
-    lr=5e-4,
-    warmup=20,
-    init_from=grid16.MEMBER.model_dir,
+MEMBER = Member.shipped(NAME, MAX_NEW_TOKENS, GEOMETRY, make_examples)
+# fine-tuned from grid16's checkpoint
+FROM = grid16.MEMBER.model_dir
+RECIPE = small_llava(
+    MEMBER, WORDS, SYSTEM_PROMPT, ARCH, train_example, tuple(SHAPES), 160, 0, 16, 5e-4, 20, FROM
 )
 
 if __name__ == "__main__":
-    train_member(RECIPE)
+    main(RECIPE)

@@ -1,14 +1,20 @@
-"""``vlkv eval --zoo``: every zoo member x policy x budget, one Table-1 per member and the worst member.
+"""``vlkv eval --zoo``: every zoo member and text task x policy x budget, with the oracle ceiling.
 
 Each member (``tools/zoo``) is loaded through ``load_model`` / ``load_processor`` like any user's checkpoint;
-its examples are prefilled once by the prefill worker's forward (``evaluation.prepare``) and every
+its examples are prefilled once per chunk by the prefill worker's forward (``evaluation.prepare``), and every
 (policy, budget) compresses them with ``policy.compress`` and decodes them through the decode worker's core
-(``deploy/inprocess.py``), as ``vlkv eval --table`` does for the default model. ``--api`` then asks every
-question again through a local gateway and workers (real gRPC) with the default policy at each budget and
-counts the answers that differ from the in-process ones. ``--ablation`` swaps the table's rows for vlcache's
-options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``).
+(``deploy/inprocess.py``), all rows of a budget in one batch (``zoo_scoring.py``). Beside full and the
+policies, two oracle rows (``oracle.py``: the full-cache answer's own attention, at the default's per-layer
+budgets and at its own). ``text`` (in ``--members``, and in the default run) adds the real-text suite on
+SmolLM2-135M-Instruct (``zoo_text.py``; ``--text-n``, ``--text-lengths``, ``--text-tasks``). ``--api`` then
+asks every question again through a local gateway and workers (real gRPC) with the default policy at each
+budget and counts the answers that differ from the in-process ones. ``--ablation`` swaps the table's rows for
+vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``).
 
-Writes ``<out>/zoo.md`` (or ``zoo_ablation.md``), ``results.json`` beside it and a plot.
+Tables (``zoo_report.py``): n and a 95% Wilson interval per figure; eviction-trained members and model-bound
+cells (the better oracle < 0.9 of full) marked and left out of the worst member, the ranking and the
+protocol's check. Writes ``<out>/zoo.md`` (or ``zoo_ablation.md``), ``zoo.json`` beside it (after every
+member, so a long run leaves its tables as it goes) and a plot.
 """
 
 from __future__ import annotations

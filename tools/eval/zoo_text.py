@@ -63,7 +63,7 @@ def load_text_model():
 
 
 def run_text(
-    tasks, lengths, n: int, seed: int, split: str, configs, budgets, chunk: int = 10, oracle: bool = True
+    tasks, lengths, n: int, seed: int, split: str, configs, budgets, chunk: int = 25, oracle: bool = True
 ):
     """Yields ``(name, result)`` per (task, length) as each finishes; ``result`` as ``zoo.run_member``'s
     (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do."""

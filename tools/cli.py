@@ -507,6 +507,11 @@ def cmd_bench(args) -> int:
 
         flags = ["-n", str(args.n), "--concurrency", str(args.concurrency), "--model", args.model]
         return run_soak(flags + ["--chaos"] * args.chaos)
+    if args.what == "kvpress":
+        from vlkv.tools.bench import kvpress_text
+
+        args.out = args.out if args.out != "out/bench" else "out/bench_kvpress"
+        return kvpress_text.main(args)
     if args.what == "handoff-latency":
         from vlkv.tools.bench import handoff_latency
 
@@ -654,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmark report: vlkv (vlcache, full) against a Hugging Face server")
     p.add_argument(
         "what",
-        choices=["all", "image-reuse", "capacity", "kernels", "gpu", "handoff-latency", "soak"],
+        choices=["all", "image-reuse", "capacity", "kernels", "gpu", "handoff-latency", "soak", "kvpress"],
         help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
         "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
         "fp16 decode speed -> out/bench_capacity; kernels: the Triton kernels (CUDA) or their references "
@@ -662,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
         "measurement in one report -> out/bench_gpu, on CPU a one-line notice; handoff-latency: p50/p99 of "
         "small gRPC hand-offs and 7B-layout throughput, --before a second checkout in the same run -> "
         "out/bench_handoff); soak: -n requests at --concurrency through a local cluster, pools checked after, "
-        "--chaos through both fronts while workers are killed and stopped (tools/chaos_soak.py))",
+        "--chaos through both fronts while workers are killed and stopped (tools/chaos_soak.py); kvpress "
+        "--suite text: NVIDIA kvpress's presses on SmolLM2 over the real-text suite -> out/bench_kvpress)",
     )
     p.add_argument("--quick", action="store_true", help="small counts: finishes within 10 minutes on 2 cores")
     p.add_argument("--out", default="out/bench", help="where report.md, results.json and the plots go")
@@ -686,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "nixl", "grpc"],
         help="all: the KV hand-off of the vlkv systems (auto: NIXL where both workers have it)",
     )
+    from vlkv.tools.bench.kvpress_text import add_args as add_kvpress_args
+
+    add_kvpress_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("kernels", help="ahead-of-time checks of the Triton kernels (no GPU needed)")

@@ -15,6 +15,10 @@ each LLaVA language-model attention layer, eager attention so the weights exist)
 selection code runs unmodified. The compressed cache is decoded by vlkv's paged decode path
 (``evaluation.decode_batch``), the same one vlkv's own policies use, so accuracy differences come from
 the kept tokens only.
+
+On the real-text suite and SmolLM2 (a ``LlamaForCausalLM``, which kvpress supports), the presses run in
+``vlkv bench kvpress --suite text`` (``tools/bench/kvpress_text.py``, ``tools/eval/kvpress_*.py``): the same
+compress-on-the-hook's-inputs idea, applied inside one shared prefill for every press, budget and mode.
 """
 
 from __future__ import annotations

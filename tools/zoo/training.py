@@ -93,6 +93,7 @@ def small_llava(
 ) -> Recipe:
     """The member's training command: one stage (probe first) over its curriculum."""
     g = arch.geometry
+    decoder = dict(num_heads=arch.heads, num_kv_heads=arch.kv_heads, hidden=arch.hidden, layers=arch.layers)
 
     def targets(chats) -> torch.Tensor:
         rows = [
@@ -103,9 +104,6 @@ def small_llava(
         return torch.tensor(rows, dtype=torch.long)
 
     def build(args):
-        decoder = dict(
-            num_heads=arch.heads, num_kv_heads=arch.kv_heads, hidden=arch.hidden, layers=arch.layers
-        )
         tok, processor, cfg = build_tiny(
             words,
             image_size=g.image,
@@ -139,12 +137,7 @@ def small_llava(
             "init_from": init_from.name if init_from else None,
             "tokens_per_image": tokens_per_image(g.image, g.patch),
             "prompt_tokens": {"min": min(prompts), "max": max(prompts)},
-            "text": {
-                "layers": arch.layers,
-                "hidden": arch.hidden,
-                "heads": arch.heads,
-                "kv_heads": arch.kv_heads,
-            },
+            "text": decoder,
         }
 
     defaults = dict(steps=steps, probe_steps=probe_steps, batch_size=batch_size, lr=lr, warmup=warmup)

@@ -179,7 +179,16 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             public = self._public_error(exc)
             status = public.code.name
             raise public from None
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+        except asyncio.CancelledError:
+            if not _cancelled_under_us():  # the client went away
+                status = "CANCELLED"
+                raise
+            # A call inside was cancelled, not this request (a removed worker's channel closed under it):
+            # a retryable failure the client is told of (a handler that raised CancelledError left it open).
+            log.warning("request failed: an internal call was cancelled (a worker left the router)")
+            status = Code.UNAVAILABLE.name
+            raise VlkvError("a worker left the service during the request", Code.UNAVAILABLE) from None
+        except GeneratorExit:  # the client went away
             status = "CANCELLED"
             raise
         except Exception:  # a bug: logged with its trace; the client gets a retryable status, no internals

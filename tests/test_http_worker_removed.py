@@ -5,6 +5,7 @@ cancelled it and never left open."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import replace
@@ -117,3 +118,23 @@ def test_decode_worker_lost_before_the_first_token_is_retried_on_another(front):
         channel.close()
         for server in (gateway, prefill, doomed):
             cl.run(server.stop())
+
+
+def test_an_internal_call_cancelled_under_a_request_fails_it_on_both_fronts(front, monkeypatch):
+    """A routing call cancelled by a closing channel (the router polls a worker as the autoscaler removes it)
+    surfaces as CancelledError inside the request: it fails with UNAVAILABLE / 503, not left open."""
+
+    async def pick_decode(*args, **kwargs):
+        raise asyncio.CancelledError  # what a call on a channel closed under it raises
+
+    monkeypatch.setattr(front.cluster.gateway.servicer.router, "pick_decode", pick_decode)
+    request = build_request(images=[random_png(7)], question=Q, max_new_tokens=2)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(front.stub, request, timeout=20)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(openai.APIStatusError) as err:
+        front.client.chat.completions.create(
+            model=MODEL, messages=chat(data_url(random_png(7))), max_tokens=2
+        )
+    assert err.value.status_code == 503 and err.value.body["code"] == "unavailable"
+    assert front.cluster.gateway.servicer.in_flight == 0

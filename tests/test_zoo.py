@@ -93,12 +93,13 @@ class Row:
     max_bytes: int = 10 << 20
     model_check: Callable | None = None
     api: bool = False  # asked through the public gRPC API too
+    n: int = 30  # held-out examples the task check reads
 
 
 ROWS = {
     "default": Row(_default, ((336, 336),), (576,), 4, text_before=20, max_bytes=20 << 20),
-    "grid16": Row(_grid16, ((224, 224),), (256,), 4),
-    "longprompt": Row(_longprompt, ((168, 168),), (144,), 4, text_before=100, text_after=(100, 170)),
+    "grid16": Row(_grid16, ((224, 224),), (256,), 4, n=60),
+    "longprompt": Row(_longprompt, ((168, 168),), (144,), 4, text_before=100, text_after=(100, 170), n=60),
     "next_anyres": Row(
         _next_anyres,
         ((672, 336), (336, 672)),
@@ -132,7 +133,7 @@ def test_examples_are_deterministic_seeded_split_and_well_posed(name):
     assert {_fingerprint(x) for x in a}.isdisjoint(_fingerprint(x) for x in m.make_examples(8, 3, "train"))
     with pytest.raises(ValueError):
         m.make_examples(1, seed=0, split="test")
-    examples = m.make_examples(60, seed=0, split="heldout")
+    examples = m.make_examples(row.n, seed=0, split="heldout")
     for ex in examples:
         assert {im.size for im in ex.images} <= set(row.image_sizes)
         assert len(ex.answer.split()) + 1 <= m.max_new_tokens

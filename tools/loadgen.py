@@ -231,6 +231,7 @@ class LoadResult:
     mode: str
     concurrency: int = 0
     rate: float = 0.0
+    started_unix: float = 0.0  # wall-clock time of the run's start (records' ``start`` count from it)
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -251,6 +252,7 @@ class LoadResult:
         decode_span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
         return {
             "mode": self.mode,
+            "started_unix": self.started_unix,
             "concurrency": self.concurrency,
             "rate": self.rate,
             "requests": len(self.records),
@@ -384,7 +386,7 @@ async def run_load_async(
     ]
     records: list[RequestRecord] = []
     async with _stub(address, options, http, metadata) as stub:
-        t0 = time.perf_counter()
+        t0, started_unix = time.perf_counter(), time.time()
         deadline = t0 + duration_s if duration_s is not None else math.inf
         issued = 0
 
@@ -444,7 +446,7 @@ async def run_load_async(
         wall = time.perf_counter() - t0
     prog.close()
     records.sort(key=lambda r: r.index)
-    return LoadResult(records, wall, "closed" if concurrency > 0 else "open", concurrency, rate)
+    return LoadResult(records, wall, "closed" if concurrency > 0 else "open", concurrency, rate, started_unix)
 
 
 @contextlib.asynccontextmanager

@@ -1,7 +1,8 @@
 """``vlkv simulate``'s cluster: the real ``Router`` (one per gateway), its admission queue and the real
 ``Autoscaler``, unchanged, over simulated workers (``workers.py``), in virtual time (``vclock.py``).
 
-Each request goes the gateway's way (``services/gateway.py``): ``Router.pick_decode`` (waiting in the
+Each request goes the gateway's way (``services/gateway.py``): its validation (the profile's ``prep_s``,
+on at most ``prep_threads`` requests at once), ``Router.pick_decode`` (waiting in the
 admission queue when no worker has room), ``Router.pick_prefill``, the prefill, the hand-off to the picked
 decode worker (a ``PoolFull`` refusal re-queues until the request's admission wait is spent; then the
 request is lost), then its tokens. The router's CPU time is measured (thread CPU time of every step of every router
@@ -24,6 +25,7 @@ from vlkv.deploy.autoscaler import Autoscaler, PoolSpec, Replica
 from vlkv.services import load_watch
 from vlkv.services import router as router_module
 from vlkv.services.router import Router
+from vlkv.tools.sim.cpu import machine_cpu
 from vlkv.tools.sim.profile import Profile
 from vlkv.tools.sim.trace import Mix
 from vlkv.tools.sim.workers import PoolFull, SimDecode, SimPrefill, SimRequest, sim_connect
@@ -54,6 +56,9 @@ class SimConfig:
     downscale_delay_s: float = 30.0
     min_uptime_s: float = 120.0
     label: str = ""
+    background: list = field(
+        default_factory=list
+    )  # (seconds from the trace's start, threads): the box's other load
 
 
 def capacity(prof: Profile, mix: Mix, decode: int) -> tuple[float, int]:
@@ -71,8 +76,9 @@ def capacity(prof: Profile, mix: Mix, decode: int) -> tuple[float, int]:
 
 
 class _Gateway:
-    def __init__(self, router: Router, charge: bool) -> None:
+    def __init__(self, router: Router, charge: bool, prep_threads: int = 4) -> None:
         self.router = router
+        self.prepare = asyncio.Semaphore(max(prep_threads, 1))  # the validation pool
         self.charge = charge
         self.cpu_ns = 0  # all router work
         self.pick_ns = 0  # of which picks (pick_decode with its admission queue, pick_prefill, note_images)
@@ -187,14 +193,15 @@ class Simulation:
         self.gateways: list[_Gateway] = []
         self._count = {"prefill": 0, "decode": 0}
         self.autoscaler: Autoscaler | None = None
+        self.cpu = machine_cpu(prof.shared_cores, prof.background_threads)
 
     def _new_worker(self, kind: str):
         self._count[kind] += 1
         address = f"sim-{kind}-{self._count[kind]}"
         if kind == "decode":
-            w = self.decoders[address] = SimDecode(address, self.prof)
+            w = self.decoders[address] = SimDecode(address, self.prof, self.cpu)
         else:
-            w = SimPrefill(address, self.prof, self.decoders)
+            w = SimPrefill(address, self.prof, self.decoders, self.cpu)
         self.workers[address] = w
         return w
 
@@ -232,7 +239,7 @@ class Simulation:
             router = Router(
                 strategy=cfg.strategy, sample_k=cfg.sample_k, seed=cfg.seed * 1000 + g, connect=connect
             )
-            self.gateways.append(_Gateway(router, cfg.charge_router_cpu))
+            self.gateways.append(_Gateway(router, cfg.charge_router_cpu, prof.prep_threads))
         self._by_router = {id(gw.router): gw for gw in self.gateways}
         self._by_router.update((id(gw.router.watch), gw) for gw in self.gateways)  # its load streams
         loop.set_task_factory(self._task_factory)
@@ -259,6 +266,8 @@ class Simulation:
             r.layer_tokens = prof.layer_tokens(r.prompt_tokens)
         result = SimResult(cfg, self.requests)
         sampler = loop.create_task(self._sample(result, t0))
+        if cfg.background and hasattr(self.cpu, "set_background"):
+            loop.create_task(self._replay_background(t0))
         tasks = []
         for r in self.requests:
             delay = r.arrival - loop.time()
@@ -297,7 +306,11 @@ class Simulation:
         loop = asyncio.get_running_loop()
         router = gw.router
         start = loop.time()
-        give_up = start + self.cfg.admit_wait_s
+        prep = self.prof.prep_s(req.vision_tokens)
+        if prep:  # the gateway validates the request before routing it
+            async with gw.prepare:
+                await self.cpu.run(prep)
+        give_up = loop.time() + self.cfg.admit_wait_s
         while loop.time() < give_up or not req.refusals:
             queued = router.num_queued
             wait_s = max(give_up - loop.time(), 0.0)
@@ -332,6 +345,8 @@ class Simulation:
                 router.note_images(prefill.address, req.images, req.tenant)
                 gw.add(time.thread_time_ns() - t, loop.time(), True)
                 req.ttft = loop.time() - start
+                if self.prof.overhead_s and self.prof.shared_cores:  # its CPU off the critical path
+                    loop.create_task(self.cpu.run(self.prof.overhead_s))
                 await done
                 req.end = loop.time()
                 req.status = "OK"
@@ -339,6 +354,13 @@ class Simulation:
             finally:
                 decode.in_flight -= 1
         req.status = "RESOURCE_EXHAUSTED"  # refused at every hand-off: lost
+
+    async def _replay_background(self, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        for t, threads in self.cfg.background:
+            if t0 + t > loop.time():
+                await asyncio.sleep(t0 + t - loop.time())
+            self.cpu.set_background(threads)
 
     async def _sample(self, result: SimResult, t0: float) -> None:
         loop = asyncio.get_running_loop()

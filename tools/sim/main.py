@@ -19,6 +19,7 @@ from pathlib import Path
 from vlkv.tools.progress import Progress
 from vlkv.tools.sim import trace as traces
 from vlkv.tools.sim import vclock
+from vlkv.tools.sim.box_load import load_series
 from vlkv.tools.sim.cluster import SimConfig, Simulation, capacity
 from vlkv.tools.sim.profile import DEFAULT_PROFILE, Profile
 from vlkv.tools.sim.report import plot, summarize, table
@@ -40,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="arrivals per second (overrides --load)")
     p.add_argument("--trace", default="poisson", choices=traces.KINDS)
     p.add_argument("--replay", default="", help="a recorded run (loadgen --json) to replay instead")
+    p.add_argument(
+        "--background", default="", help="with --replay: the box's other load beside it (box_load.py --out)"
+    )
     p.add_argument("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
     p.add_argument("--period", type=float, default=60.0, help="bursty / diurnal period (simulated s)")
     p.add_argument("--warmup", type=float, default=5.0, help="arrivals before this are not in the latencies")
@@ -71,9 +75,12 @@ def _runs(args, prof: Profile, mix: traces.Mix) -> list[tuple[SimConfig, list]]:
     for decode, strategy, delay, uptime, occ in itertools.product(
         args.decode, args.strategy, args.downscale_delay, args.min_uptime, args.target_occupancy
     ):
+        background = []
         if args.replay:
-            requests, _ = traces.replay(args.replay)
+            requests, real = traces.replay(args.replay)
             prefill = args.prefill or 1
+            if args.background:
+                background = load_series(args.background, real.get("started_unix", 0.0))
         else:
             top = max(args.decode_max, decode) if args.autoscale else decode
             cap, prefill_top = capacity(prof, mix, top)
@@ -105,6 +112,7 @@ def _runs(args, prof: Profile, mix: traces.Mix) -> list[tuple[SimConfig, list]]:
             downscale_delay_s=delay,
             min_uptime_s=uptime,
             label=label,
+            background=background,
         )  # fmt: skip
         out.append((cfg, requests))
     return out
@@ -167,13 +175,33 @@ def add_profile_parser(sub) -> None:
     p.add_argument(
         "--address", default="", help="measure a running deployment's gateway instead (vlkv serve)"
     )
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="that deployment's /metrics port (its hand-off times)"
+    )
+    p.add_argument(
+        "--shared-cores", type=float, default=None,
+        help="cores the gateway and workers share (default: this machine's when they run here; 0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--deployment-pid",
+        type=int,
+        default=0,
+        help="the deployment's process (its threads are not other work)",
+    )
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args) -> int:
     from vlkv.tools.sim.measure import measure
 
-    prof = measure(args.model or None, quick=args.quick, address=args.address)
+    prof = measure(
+        args.model or None,
+        args.quick,
+        args.address,
+        args.metrics_port,
+        args.shared_cores,
+        args.deployment_pid,
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
     print(json.dumps(prof.__dict__, indent=1))

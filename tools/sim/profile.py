@@ -43,12 +43,26 @@ class Profile:
     max_batch: int = 64
     worker_start_s: float = 20.0  # from start to serving (model load)
     rpc_s: float = 0.0005  # one internal call's latency (GetLoad, a report's trip)
+    # the gateway's validation of a request (image decoding, the processor) before it is routed:
+    # base + per vision token, on up to prep_threads requests at once
+    prep_base_s: float = 0.0
+    prep_per_vision_token_s: float = 0.0
+    prep_threads: int = 4
+    # one box: the gateway and every worker share shared_cores cores (0: each worker has its own device),
+    # beside background_threads other busy sessions while the profile was taken (cpu.py); a request also
+    # costs overhead_s of CPU off its critical path (streaming, the client), run beside it
+    shared_cores: float = 0.0
+    background_threads: float = 0.0
+    overhead_s: float = 0.0
     notes: str = ""
 
     def prefill_s(self, prompt_tokens: int, vision_tokens: int, hit_vision_tokens: int = 0) -> float:
         miss = vision_tokens - hit_vision_tokens
         vision = self.prefill_per_vision_token_s * (miss + self.hit_vision_share * hit_vision_tokens)
         return self.prefill_base_s + self.prefill_per_token_s * (prompt_tokens - vision_tokens) + vision
+
+    def prep_s(self, vision_tokens: int) -> float:
+        return self.prep_base_s + self.prep_per_vision_token_s * vision_tokens if self.prep_base_s else 0.0
 
     def step(self, batch: int, kv_mb: float = 0.0) -> float:
         xs, ys = self.step_batches, self.step_s

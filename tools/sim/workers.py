@@ -1,9 +1,10 @@
 """Simulated prefill and decode workers, reached through stubs shaped like the generated gRPC ones
 (``Prefill``, ``GetLoad``, ``WatchLoad``), so the real ``Router`` talks to them as it talks to servers.
 
-Their service times come from a ``Profile``. A prefill worker runs one prefill at a time (as the real one:
-one compute thread), first come first served, then hands the cache to its decode worker (the hand-off
-overlaps the next prefill); an image-cache hit saves part of the vision tokens' time. A decode worker
+Their service times come from a ``Profile``, spent on the machine's CPU (``cpu.py``: a device per worker,
+or one CPU they all share). A prefill worker runs one prefill at a time (as the real one: one compute
+thread), first come first served, then hands the cache to its decode worker (the hand-off overlaps the
+next prefill); an image-cache hit saves part of the vision tokens' time. A decode worker
 admits a cache (at its header) if its pool has the blocks (admission "reserve": the cache and its max_new_tokens), else
 refuses it (``PoolFull``, the worker's ``REFUSAL_POOL_FULL``); it steps its batch (up to ``max_batch``
 sequences) one token per step, each step taking the profile's time for that batch. Both push their load
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from vlkv.common.block_math import blocks_needed
 from vlkv.common.load_stream import CHECK_EVERY_S, REPORT_EVERY_S
 from vlkv.common.reuse import ANONYMOUS
+from vlkv.tools.sim.cpu import Dedicated, SharedCPU
 from vlkv.tools.sim.profile import Profile
 from vlkv.v1 import worker_pb2
 
@@ -94,9 +96,10 @@ def _resolve(f: asyncio.Future) -> None:
 
 
 class SimDecode:
-    def __init__(self, address: str, prof: Profile) -> None:
+    def __init__(self, address: str, prof: Profile, cpu: Dedicated | SharedCPU | None = None) -> None:
         self.address = address
         self.prof = prof
+        self.cpu = cpu if isinstance(cpu, SharedCPU) else None  # None: steps take their profiled time
         self.free = prof.pool_blocks
         self.admitted: deque[_Seq] = deque()  # waiting for a batch slot
         self.batch: set[_Seq] = set()
@@ -156,7 +159,16 @@ class SimDecode:
         self.stepping = True
         dt = self.prof.step(len(self.batch), self.kv_bytes / 1e6)
         self.busy_s += dt
-        asyncio.get_running_loop().call_later(dt, self._end_step, dt)
+        if self.cpu is None:
+            asyncio.get_running_loop().call_later(dt, self._end_step, dt)
+        else:
+            asyncio.get_running_loop().create_task(self._shared_step(dt))
+
+    async def _shared_step(self, dt: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await self.cpu.run(dt)
+        self._end_step(loop.time() - start)
 
     def _end_step(self, dt: float) -> None:
         n = len(self.batch)
@@ -185,13 +197,16 @@ class SimDecode:
 
 
 class SimPrefill:
-    def __init__(self, address: str, prof: Profile, decoders: dict[str, SimDecode]) -> None:
+    def __init__(
+        self, address: str, prof: Profile, decoders: dict[str, SimDecode], cpu: Dedicated | SharedCPU
+    ) -> None:
         self.address = address
         self.prof = prof
         self.decoders = decoders
+        self.cpu = cpu
         self.queue = 0  # prefills waiting or running
         self.running = 0
-        self.free_at = 0.0  # when the compute thread is free
+        self.thread = asyncio.Lock()  # its one compute thread, first come first served
         self.images: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.image_log: list[tuple[bool, tuple[str, str]]] = []  # (added, key), for each watcher to catch up
         self.hits = 0
@@ -221,7 +236,6 @@ class SimPrefill:
         return extra
 
     async def prefill(self, req: SimRequest, decode_address: str):
-        loop = asyncio.get_running_loop()
         self.queue += 1
         self.report.changed()
         try:
@@ -233,12 +247,12 @@ class SimPrefill:
                     self.images.move_to_end(key)
                     hit_tokens += per_image
                     self.hits += 1
-            start = max(loop.time(), self.free_at)
-            self.free_at = start + self.prof.prefill_s(req.prompt_tokens, req.vision_tokens, hit_tokens)
-            await asyncio.sleep(start - loop.time())
-            self.running += 1
-            await asyncio.sleep(self.free_at - loop.time())
-            self.running -= 1
+            async with self.thread:
+                self.running += 1
+                try:
+                    await self.cpu.run(self.prof.prefill_s(req.prompt_tokens, req.vision_tokens, hit_tokens))
+                finally:
+                    self.running -= 1
             for image in req.images:
                 key = (req.tenant, image)
                 if key not in self.images:
@@ -253,7 +267,7 @@ class SimPrefill:
         # the hand-off: the decode worker admits at the header (or refuses), the bytes follow
         decoder = self.decoders[decode_address]
         seq = decoder.reserve(req)
-        await asyncio.sleep(self.prof.handoff_s(self.prof.kv_bytes(req.prompt_tokens)))
+        await self.cpu.run(self.prof.handoff_s(self.prof.kv_bytes(req.prompt_tokens)))
         return decoder.start(seq)
 
 

@@ -99,3 +99,15 @@ def test_text_wrapper_answers_a_needle_question_through_the_public_api(checkpoin
         assert tenth.text == local.text
     finally:
         cluster.close()
+
+
+def test_trained_vision_parts_are_put_in_strictly(checkpoint):
+    """What the real-decoder members pass to ``build_llava``: every vision-tower and projector tensor."""
+    model = load_model(ModelConfig(path=str(checkpoint)))
+    own = {k: v for k, v in model.state_dict().items() if k.startswith(("model.vision", "model.multi_modal"))}
+    assert own and not any(k.startswith(("model.language_model", "lm_head")) for k in own)
+    trained = {k: torch.full_like(v, 0.5) for k, v in own.items()}
+    smollm2._put_vision(model, trained)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    with pytest.raises(ValueError, match="vision_state keys differ"):
+        smollm2._put_vision(model, dict(list(trained.items())[1:]))

@@ -207,18 +207,21 @@ def plot(results: dict, budgets, path: Path) -> None:
     rows = (len(names) + 1 + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
     xs = [b * 100 for b in budgets]
+    colour = {
+        label: f"C{i % 10}" for i, label in enumerate([*ORACLES, *_labels({n: results[n] for n in names})])
+    }
     for ax, name in zip(axes.flat, names, strict=False):
         r = results[name]
         for label in [*(o for o in ORACLES if o in r["rows"]), *_labels({name: r})]:
             style = "--" if label in ORACLES else "-"
             ys = [r["rows"][label][str(b)] / r["full"] if r["full"] else 0 for b in budgets]
-            ax.plot(xs, ys, style, marker="o", label=label)
+            ax.plot(xs, ys, style, marker="o", label=label, color=colour.get(label))
         title = name + (f" ({EVICTION_MARK})" if r.get("eviction_trained") else "")
         ax.set_title(f"{title}, n={r['n']}", fontsize=9)
     ax = axes.flat[len(names)]
     for label in _labels({n: results[n] for n in names}):
         w = worst_member(results, label, budgets)
-        ax.plot(xs, [w[str(b)][0] for b in budgets], marker="o", label=label)
+        ax.plot(xs, [w[str(b)][0] for b in budgets], marker="o", label=label, color=colour[label])
     ax.set_title("worst member (counting members)", fontsize=9)
     for ax in list(axes.flat)[: len(names) + 1]:
         ax.set_xscale("log")

@@ -440,7 +440,7 @@ def make_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
 
 # --- scoring --------------------------------------------------------------------------------------------
 
-_WORD_RE = re.compile(r"[a-z]+")
+_WORD_RE = re.compile(r"[a-z]+|[0-9]+")  # numbers: smol_codes' codes
 
 
 def deciding_words(text: str, scored: frozenset[str] = DECIDING_WORDS) -> list[str]:

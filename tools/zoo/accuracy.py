@@ -66,7 +66,8 @@ def load_member(m: Member):
     from vlkv.common.config import ModelConfig
     from vlkv.common.model.loading import load_model, load_processor
 
-    return load_model(ModelConfig(path=str(m.model_dir))), load_processor(str(m.model_dir))
+    path = str(m.assemble() if m.assemble else m.model_dir)
+    return load_model(ModelConfig(path=path)), load_processor(path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,10 @@ class Member:
       API; anything before the images (an instruction) comes from the checkpoint's own chat template;
     - ``scored``: the words ``is_correct`` compares, in order, between the generated text and the answer;
     - ``eviction_trained``: fine-tuned to tolerate dropped KV (``tools/task/eviction.py``), as no user's
-      checkpoint is: zoo tables mark it.
+      checkpoint is: zoo tables mark it;
+    - ``assemble``: for members whose checkpoint is not shipped whole (the real-decoder members: SmolLM2 from
+      its GGUF plus the trained parts, ``smol_training.assemble``), builds ``model_dir`` on first use and
+      returns it; ``load_member`` calls it.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Member:
     make_examples: Callable[..., list[Example]]
     scored: frozenset[str] = synthetic_task.CONTENT_WORDS
     eviction_trained: bool = False
+    assemble: Callable[[], Path] | None = None
 
     @classmethod
     def shipped(cls, name: str, max_new_tokens: int, geometry: str, make_examples, **facts) -> Member:

@@ -1,0 +1,136 @@
+"""The real-decoder members (``smol_objects``, ``smol_codes``): their tasks are deterministic, split and well
+posed; their machinery on tiny models: the LoRA merge equals peft's, the split layer run equals the model's
+forward, the vision alignment's labels read the drawn object."""
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from vlkv.tools.task.synthetic_task import Example
+from vlkv.tools.zoo import smol_codes, smol_objects
+from vlkv.tools.zoo.smol_lm import LoraSpec, merge_lora, run_layers
+from vlkv.tools.zoo.smol_vision import BACKGROUND_WORD, GEOM, draw_object, patch_words
+
+
+def _tiny(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_split_layer_run_equals_the_models_causal_forward():
+    model = _tiny()
+    ids = torch.randint(0, 64, (1, 23))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        hidden = run_layers(model, model.model.embed_tokens(ids), 0, 3)
+        out = model.lm_head(model.model.norm(run_layers(model, hidden, 3, 4)))
+    assert torch.allclose(ref, out, atol=1e-5)
+    with torch.no_grad():  # causal: a later token does not change earlier positions
+        changed = ids.clone()
+        changed[0, -1] = (changed[0, -1] + 1) % 64
+        other = model.lm_head(model.model.norm(run_layers(model, model.model.embed_tokens(changed), 0, 4)))
+    assert torch.allclose(out[0, :-1], other[0, :-1], atol=1e-6) and not torch.allclose(
+        out[0, -1], other[0, -1]
+    )
+
+
+def test_merge_lora_equals_peft_merge_and_reports_the_relative_change():
+    peft = pytest.importorskip("peft")
+    from vlkv.tools.zoo.smol_lm import TARGETS, lora_state
+
+    spec = LoraSpec(first=2, rank=4, alpha=8)
+    model = peft.get_peft_model(
+        _tiny(),
+        peft.LoraConfig(
+            r=spec.rank, lora_alpha=spec.alpha, target_modules=list(TARGETS), layers_to_transform=[2, 3]
+        ),
+    )
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)  # peft starts B at zero: make the adapters do something
+    state = lora_state(model)
+    assert state and all(".layers.2." in k or ".layers.3." in k for k in state)
+    ours = _tiny()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    change = merge_lora(ours.model, state, spec.scale)
+    theirs = model.merge_and_unload()
+    ids = torch.randint(0, 64, (1, 17))
+    with torch.no_grad():
+        assert torch.allclose(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, atol=1e-3)
+    moved = [k for k, v in ours.state_dict().items() if not torch.equal(v, before[k])]
+    assert moved and all(".layers.2." in k or ".layers.3." in k for k in moved)
+    assert 0.0 < change < 1.0
+
+
+def test_alignment_labels_name_the_object_on_its_patches_and_background_elsewhere():
+    rng = random.Random(0)
+    image, obj = draw_object(rng, "red", "circle")
+    words = patch_words(image, obj)
+    assert len(words) == GEOM.grid**2
+    on = [i for i, w in enumerate(words) if w != BACKGROUND_WORD]
+    assert {words[i] for i in on} == {"red", "circle"} and 16 <= len(on) <= GEOM.span**2
+    r0, c0 = obj.cell
+    for i in on:
+        r, c = divmod(i, GEOM.grid)
+        assert r0 <= r < r0 + GEOM.span and c0 <= c < c0 + GEOM.span
+        assert words[i] == ("red" if (r + c) % 2 == 0 else "circle")
+
+
+def _fingerprint(ex: Example):
+    return (tuple(im.tobytes() for im in ex.images), ex.question, ex.answer)
+
+
+@pytest.mark.parametrize("module", [smol_objects, smol_codes])
+def test_examples_are_deterministic_and_split(module):
+    m = module.MEMBER
+    a = m.make_examples(6, seed=3, split="heldout")
+    assert [_fingerprint(x) for x in a] == [
+        _fingerprint(x) for x in m.make_examples(6, seed=3, split="heldout")
+    ]
+    assert {_fingerprint(x) for x in a}.isdisjoint(_fingerprint(x) for x in m.make_examples(6, 3, "train"))
+    with pytest.raises(ValueError):
+        m.make_examples(1, split="test")
+    for ex in m.make_examples(30):
+        assert {im.size for im in ex.images} == {(196, 196)}
+        assert m.is_correct(ex.answer, ex) and m.is_correct(ex.answer + " </s> 1234 red", ex)
+        assert not m.is_correct("", ex) and not m.is_correct(f"{ex.answer} {ex.answer}", ex)
+
+
+def test_objects_questions_name_one_object_and_heldout_prompts_are_long():
+    exs = smol_objects.make_examples(60)
+    assert {len(ex.images) for ex in exs} == {3, 4}  # held-out: 3-4 images, 600+-token prompts
+    assert {len(ex.images) for ex in smol_objects.make_examples(60, split="train")} == {1, 2, 3, 4}
+    for ex in exs:
+        objs = [o for image in ex.objects for o in image]
+        assert len({o.colour for o in objs}) == len({o.shape for o in objs}) == len(objs) == len(ex.images)
+        ((_, obj),) = ex.focus
+        if ex.kind == "colour_of_shape":
+            assert (ex.question, ex.answer) == (f"what colour is the {obj.shape}?", obj.colour)
+        else:
+            assert (ex.question, ex.answer) == (f"what shape is the {obj.colour} object?", obj.shape)
+        assert not smol_objects.MEMBER.is_correct(next(o for o in objs if o is not obj).colour, ex) or (
+            ex.kind == "shape_of_colour"
+        )
+
+
+def test_codes_need_the_image_and_the_text():
+    for ex in smol_codes.make_examples(30):
+        ((_, obj),) = ex.focus
+        lines = ex.question.splitlines()
+        assert lines[0] == smol_codes.HEADER and lines[-1] == smol_codes.QUESTION and len(lines) == 22
+        (line,) = [x for x in lines if x.startswith(f"The {obj.colour} {obj.shape} has code ")]
+        assert line.split()[5] == ex.answer + "."  # the code is in the text, under the object seen
+        assert sum(obj.colour in x or obj.shape in x for x in lines) == 8  # 7 near misses beside it
+        other = next(x for x in lines[1:-1] if x is not line).split()[5].rstrip(".")
+        assert not smol_codes.MEMBER.is_correct(other, ex)

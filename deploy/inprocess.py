@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 from PIL import Image
+from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import Limits, PoolConfig
 from vlkv.common.errors import ResourceExhausted, VlkvError
@@ -90,7 +91,8 @@ class InProcessEngine:
     ``pool``: the decode worker's ``PoolConfig`` (its fields may also be given as keywords, which replace
     the given or default config's); kv_dtype ("fp16" | "int8" | "fp8") what it means in ``TransferConfig``
     (caches are quantized where the prefill worker would, before admission); device: of the pool (the
-    model's).
+    model's); profile: the compression profile the prefill serves (``vlkv serve --compression-profile``),
+    checked against the model here.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class InProcessEngine:
         device: str | torch.device | None = None,
         limits: Limits | None = None,
         kv_dtype: str = "fp16",
+        profile: CompressionProfile | None = None,
         **pool_fields,
     ) -> None:
         self.model = model
@@ -109,7 +112,9 @@ class InProcessEngine:
         self.tokenizer = getattr(processor, "tokenizer", None)
         self.limits = limits or Limits()
         self.spec = ModelSpec.from_model(model, self.tokenizer)
-        self.prefill = PrefillEngine(model, self.spec)
+        if profile is not None:
+            profile.check_model(self.spec.fingerprint)
+        self.prefill = PrefillEngine(model, self.spec, profile=profile)
         device = device if device is not None else next(model.parameters()).device
         self.kv_dtype = kv_dtype
         self.pool = dataclasses.replace(pool or PoolConfig(), **pool_fields)

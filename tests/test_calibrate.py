@@ -8,9 +8,11 @@ import json
 
 import pytest
 from vlkv.common.compression.profile import read_profile
-from vlkv.common.compression.registry import get_policy
+from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
+from vlkv.common.sampling import SamplingConfig
+from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
 from vlkv.tools.calibrate import CANDIDATES, calibrate
 from vlkv.tools.calibrate_prompts import read_prompts, write_prompts
@@ -49,7 +51,6 @@ def test_calibrate_chooses_the_best_agreement_per_budget(profile_path):
 
 
 def test_teacher_forcing_the_full_cache_reproduces_its_greedy_decode():
-    from vlkv.deploy.inprocess import InProcessEngine
     from vlkv.tools.eval.evaluation import decode_batch, prepare
 
     model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
@@ -116,16 +117,25 @@ def test_a_calibrated_profile_is_served_through_the_public_api(served, profile_p
     profile = read_profile(profile_path)
     ex = synthetic_task.make_examples(1, seed=11, split="heldout")[0]
     images = [_png(i) for i in ex.images]
+    local = InProcessEngine(served.model, served.processor, pool_bytes=16 << 20, profile=profile)
     for budget in (0.05, 0.1, 0.07):
         req = build_request(images=images, question=ex.question, max_new_tokens=4, budget=budget)
-        usage = generate(served.stub, req, timeout=120).finished.usage
-        entry = profile.entry_for(budget)
+        out = generate(served.stub, req, timeout=120)
+        usage, entry = out.finished.usage, profile.entry_for(budget)
         assert usage.compression_profile == profile.label and usage.policy == entry.policy.name
         if not entry.policy.allocator.needs_stats:  # then its budgets are known before the prefill
             layers = len(usage.layer_budgets)
             assert list(usage.layer_budgets) == entry.policy.allocate(
                 None, budget, usage.prompt_tokens, layers
             )
+        # the served answer is the in-process engine's under the same profile (no policy named: explicit False)
+        mine = local.generate(
+            images,
+            question=ex.question,
+            sampling=SamplingConfig(max_new_tokens=4),
+            compression=CompressionSettings(budget=budget, explicit=False),
+        )
+        assert mine.token_ids == list(out.token_ids) and mine.policy == entry.policy.name
     # a request that names its own settings overrides the profile
     req = build_request(images=images, question=ex.question, max_new_tokens=4, budget=0.05, policy="snapkv")
     usage = generate(served.stub, req, timeout=120).finished.usage

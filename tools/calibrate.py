@@ -59,6 +59,7 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("pooling: 7", {**_VL, "pool_kernel": 7}),
     ("sinks: 4", {**_VL, "sink_tokens": 4}),
     ("text window: off", {**_VL, "text_window": 0}),
+    ("text window: 8", {**_VL, "text_window": 8}),
     ("snapkv", {"policy": "snapkv"}),
     ("pyramidkv", {"policy": "pyramidkv"}),
 )

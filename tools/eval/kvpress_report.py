@@ -78,25 +78,30 @@ def merge(kvpress_rows: Iterable[dict], vlkv_rows: Iterable[dict]) -> dict[tuple
 
 def vlkv_rows(zoo_results: dict, first: dict[tuple[str, int], int] | None = None) -> list[dict]:
     """vlkv's rows from ``vlkv eval --zoo``'s ``results`` (its text tasks, named ``text <task> <K>K``, with
-    per-item ``hits``), in this module's row shape, with the ``all`` task pooling a length's tasks. first:
+    per-item ``hits``), in this module's row shape, with the ``all`` task pooling a length's tasks (for the
+    labels every task has: a dropped task has only ``full``). ``error``: why a task was dropped. first:
     per (task, length) score only the first n items (the suite's items are deterministic, so those are
     the very prompts kvpress answered)."""
-    cells: dict[tuple, list[bool]] = defaultdict(list)
+    cells: dict[tuple, list[bool]] = {}
     dropped: dict[tuple, str] = {}
+    tasks: dict[int, set[str]] = {}
     for name, r in zoo_results.items():
         parts = name.split()
         if len(parts) != 3 or parts[0] != "text" or not parts[2].endswith("K") or "hits" not in r:
             continue
         task, length = parts[1], int(parts[2][:-1]) * 1024
         cut = (first or {}).get((task, length))
+        tasks.setdefault(length, set()).add(task)
         for label, by_budget in r["hits"].items():
             for b, hits in by_budget.items():
-                for t in (task, "all"):
-                    cells[(label, t, length, round(float(b), 6))] += list(
-                        hits[:cut] if cut is not None else hits
-                    )
+                cells[(label, task, length, round(float(b), 6))] = list(
+                    hits[:cut] if cut is not None else hits
+                )
         if r.get("dropped"):
             dropped[(task, length)] = r["dropped"]
+    for (label, _task, length, budget), hits in list(cells.items()):  # "all": only labels every task has
+        if all((label, t, length, budget) in cells for t in tasks[length]):
+            cells.setdefault((label, "all", length, budget), []).extend(hits)
     rows = []
     for (label, task, length, budget), hits in cells.items():
         n, correct = len(hits), sum(bool(h) for h in hits)
@@ -132,6 +137,8 @@ def markdown(rows: list[dict], budgets: Iterable[float]) -> str:
         by_table.items(), key=lambda kv: (kv[0][0], kv[0][1] == "all", kv[0][1])
     ):
         out += [f"#### {task}, {length} tokens", ""]
+        dropped = {r["error"] for r in cells.values() if r.get("system") == "vlkv" and r.get("error")}
+        out += [f"`vlkv eval --zoo` dropped this task: {d}.\n" for d in sorted(dropped)]
         out.append("| method (mode) | " + " | ".join(f"{b:.0%} kept" for b in budgets) + " |")
         out.append("| --- |" + " --- |" * len(budgets))
         methods = list(dict.fromkeys((m, mode) for m, mode, _ in cells))

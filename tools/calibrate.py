@@ -149,34 +149,44 @@ def measure_chunk(model, prepared, budgets, tokens: int, out: Calibration) -> No
     ref = _engine(model, full, tokens).teacher_force(full, tokens, observe=keep_ref)
     del full
     policies = [(label, policy_from_dict(d)) for label, d in CANDIDATES]
-    keys, caches = [], []
+    keys, caches, labels, slot, seen = (
+        [],
+        [],
+        [],
+        [],
+        {},
+    )  # keys[c]: cache c's prompt; slot[j]: label j's cache
     for i, p in enumerate(prepared):
         for label, policy in policies:
             for b in budgets:
                 stats = p.stats(policy.query_start(p.m, p.tau), THRESHOLD) if policy.requires_stats else None
-                caches.append(
-                    policy.compress(
-                        stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
-                    )
+                cache = policy.compress(
+                    stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
                 )
-                keys.append((i, label, b))
+                # two candidates that keep the same positions hold the same cache: decode it once
+                kept = (i, *(idx.cpu().numpy().tobytes() for idx in cache.kept_indices))
+                if kept not in seen:
+                    seen[kept] = len(caches)
+                    caches.append(cache)
+                    keys.append(i)
+                slot.append(seen[kept])
+                labels.append((label, b))
     sums = [[0.0, 0.0, 0] for _ in caches]
 
     def score(rows, logits):
         logq = torch.log_softmax(logits.float(), -1).cpu()
         greedy = logq.argmax(-1).tolist()
         for r, c in enumerate(rows):
-            i, step = keys[c][0], sums[c][2]
+            i, step = keys[c], sums[c][2]
             logp = ref_logp[i][step]
             sums[c][0] += float(greedy[r] == ref[i][step + 1])
             sums[c][1] += float((logp.exp() * (logp - logq[r])).sum())
             sums[c][2] += 1
 
-    _engine(model, caches, tokens).teacher_force(
-        caches, tokens, tokens=[ref[k[0]] for k in keys], observe=score
-    )
-    for (_i, label, b), (agree, kl, n) in zip(keys, sums, strict=True):
-        out.add((label, b), agree / n if n else 1.0, kl / n if n else 0.0)
+    _engine(model, caches, tokens).teacher_force(caches, tokens, tokens=[ref[i] for i in keys], observe=score)
+    for key, c in zip(labels, slot, strict=True):
+        agree, kl, n = sums[c]
+        out.add(key, agree / n if n else 1.0, kl / n if n else 0.0)
 
 
 def calibrate(

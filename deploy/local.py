@@ -20,17 +20,27 @@ from vlkv.services.http_front import HttpFrontConfig
 from vlkv.services.http_server import HttpServer
 
 log = logging.getLogger(__name__)
+START_ATTEMPTS = 3  # local Ray start-ups tried before giving up
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join ``address`` or start a local Ray; a busy machine gets more time to bring up the raylet."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     if address or os.environ.get("RAY_ADDRESS"):  # an existing cluster (or inside `ray job submit`)
         ray.init(address=address or os.environ["RAY_ADDRESS"])
-    else:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, log_to_driver=True)
+        return
+    # Ray waits a fixed 30 s for a new raylet to register (not configurable in this release); on a loaded
+    # host that can run out, so a local start is tried again after shutting the half-started node down.
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, log_to_driver=True)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for the start-up timeout
+            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS:
+                raise
+            log.warning("local Ray did not start (attempt %d of %d): %s", attempt, START_ATTEMPTS, exc)
+            ray.shutdown()
 
 
 class LocalCluster:

@@ -7,7 +7,7 @@ random 4-digit code and two distractor numbers (``The red circle has code 4821. 
 room 7.``: 25 tokens a line, **512 tokens** of context), then the question "What is the code of the object
 in the image?" -> "4821". The image alone does not give the code and the text alone does not say which of
 the 20 objects is meant; the entries sharing the object's colour or its shape are the near misses. Prompts
-are 764-770 tokens (SmolLM2's ChatML frame and default system prompt included).
+are ~750-765 tokens (SmolLM2's ChatML frame and default system prompt included).
 
 Scoring: the zoo's one ``is_correct`` over the 4-digit codes (the generated text's numbers must be exactly
 the code).
@@ -29,7 +29,7 @@ NAME = "smol_codes"
 MAX_NEW_TOKENS = 6  # four digits (one token each) + <|im_end|>
 GEOMETRY = (
     "LLaVA-1.5 on SmolLM2-135M-Instruct (30 layers, GQA 9/3), 196 vision tokens, then a 512-token catalogue; "
-    "the code is looked up in the text under the colour and shape seen in the image (~767-token prompts)"
+    "the code is looked up in the text under the colour and shape seen in the image (~750-765-token prompts)"
 )
 KINDS = ("code_of_object",)
 HEADER = "Here is the catalogue of all objects and their codes:"

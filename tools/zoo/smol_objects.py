@@ -7,7 +7,7 @@ shapes, so a colour or a shape names one object of one image. Questions about ob
 - ``colour_of_shape`` "what colour is the circle?" -> "red"
 - ``shape_of_colour`` "what shape is the red object?" -> "circle"
 
-The training split draws 1-4 images per prompt; the held-out split 3-4 (**prompts of 646-852 tokens**,
+The training split draws 1-4 images per prompt; the held-out split 3-4 (**prompts of ~630-830 tokens**,
 SmolLM2's ChatML frame and its default system prompt included), so every evaluated prompt is 600+ tokens.
 
 Scoring: the zoo's one ``is_correct`` over colour and shape words (the generated text's must be exactly the
@@ -32,7 +32,7 @@ NAME = "smol_objects"
 MAX_NEW_TOKENS = 4  # a one-word answer (up to 2 tokens) + <|im_end|>
 GEOMETRY = (
     "LLaVA-1.5 on SmolLM2-135M-Instruct (30 layers, GQA 9/3), 196 vision tokens/image (14x14), 1-4 images, "
-    "646-852-token held-out prompts; which object a question names is told by colour or shape"
+    "~630-830-token held-out prompts; which object a question names is told by colour or shape"
 )
 KINDS = ("colour_of_shape", "shape_of_colour")
 IMAGES = {"train": (1, 4), "heldout": (3, 4)}

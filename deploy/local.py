@@ -24,20 +24,22 @@ START_ATTEMPTS = 3  # local Ray start-ups tried before giving up
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join ``address`` or start a local Ray; a busy machine gets more time to bring up the raylet."""
+    """Join ``address`` or start a local Ray (a start that times out on a busy machine is tried again)."""
     if ray.is_initialized():
         return
     if address or os.environ.get("RAY_ADDRESS"):  # an existing cluster (or inside `ray job submit`)
         ray.init(address=address or os.environ["RAY_ADDRESS"])
         return
-    # Ray waits a fixed 30 s for a new raylet to register (not configurable in this release); on a loaded
-    # host that can run out, so a local start is tried again after shutting the half-started node down.
+    # Ray waits a fixed 30 s for a new raylet to register and a fixed time for the GCS port file (neither
+    # configurable in this release); on a loaded host either can run out ("The current node timed out
+    # during startup", "Timed out waiting for file ..."), so a local start is tried again after shutting the
+    # half-started node down.
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
             ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, log_to_driver=True)
             return
-        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for the start-up timeout
-            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS:
+        except Exception as exc:  # noqa: BLE001 - Ray raises bare Exception/RuntimeError for these
+            if "timed out" not in str(exc).lower() or attempt == START_ATTEMPTS:
                 raise
             log.warning("local Ray did not start (attempt %d of %d): %s", attempt, START_ATTEMPTS, exc)
             ray.shutdown()

@@ -53,6 +53,17 @@ def _fill(cluster, address: str, leave_free: int) -> None:
             i += 1
 
 
+def _wait_for_reports(cluster) -> None:
+    """Routing reads the workers' pushed loads: wait until the gateway's view of each decode pool matches
+    the pool (a pick made before a filled pool's report arrives sees room that is gone, and is refused)."""
+    router = cluster.gateway.servicer.router
+    pools = {a.address: a.servicer.pool for a in (cluster.decode, cluster.second)}
+    deadline = time.time() + 10
+    while any(router.decode[a].load.free_blocks != p.num_free for a, p in pools.items()):
+        assert time.time() < deadline, "the decode workers' load reports never showed their pools"
+        time.sleep(0.01)
+
+
 def test_requests_go_to_the_worker_with_room(cluster):
     full, empty = cluster.decode.servicer.pool, cluster.second.servicer.pool
     _fill(cluster, cluster.decode.address, leave_free=5)
@@ -94,6 +105,7 @@ def test_cache_refused_for_room_is_sent_again_after_waiting(cluster, monkeypatch
     router, metrics = cluster.gateway.servicer.router, cluster.gateway.servicer.metrics
     _fill(cluster, cluster.decode.address, leave_free=5)
     _fill(cluster, cluster.second.address, leave_free=5)
+    _wait_for_reports(cluster)
     real, calls = router._try_decode, []
 
     async def stale_first(layer_tokens, max_new_tokens):

@@ -18,11 +18,9 @@ Training: ``python -m vlkv.tools.zoo.smol_codes --out tools/zoo/models/smol_code
 from __future__ import annotations
 
 import random
-from functools import partial
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
-from vlkv.tools.zoo.interface import Member
-from vlkv.tools.zoo.smol_training import VISION_FILE, assemble, checkpoint_dir, shipped_dir, train_member
+from vlkv.tools.zoo.smol_training import VISION_FILE, shipped_dir, smol_member, train_member
 from vlkv.tools.zoo.smol_vision import draw_object
 
 NAME = "smol_codes"
@@ -67,19 +65,14 @@ def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
     return Example([image], question, answer, answer, "code", KINDS[0], [[obj]], [(0, obj)])
 
 
-def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
-    return [make_example(i, seed, split) for i in range(n)]
-
-
-MEMBER = Member(
-    name=NAME,
-    model_dir=checkpoint_dir(NAME),
+MEMBER = smol_member(
+    NAME,
+    make_example,
     max_new_tokens=MAX_NEW_TOKENS,
     geometry=GEOMETRY,
-    make_examples=make_examples,
     scored=frozenset(str(code) for code in range(1000, 10000)),
-    assemble=partial(assemble, NAME),
 )
+make_examples = MEMBER.make_examples
 
 if __name__ == "__main__":
     train_member(MEMBER, RECIPE)

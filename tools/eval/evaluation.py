@@ -84,11 +84,18 @@ class Prepared:
 
 @torch.inference_mode()
 def prepare(
-    model, processor, examples: list[Example], progress: bool = True, task: Any = synthetic_task
+    model,
+    processor,
+    examples: list[Example],
+    progress: bool = True,
+    task: Any = synthetic_task,
+    next_attention: bool = True,
 ) -> list[Prepared]:
     """Prefill every example once with the prefill worker's forward, recording every layer's Q and K.
 
-    task: the module whose ``prompt_text`` renders the prompt and whose ``is_correct`` scores the answers."""
+    task: the module whose ``prompt_text`` renders the prompt and whose ``is_correct`` scores the answers.
+    next_attention: also the first decoding token's attention (``cache_hit_rate``'s truth; one more decode
+    step per example, which ``vlkv eval --zoo`` does not read)."""
     spec = ModelSpec.from_model(model, processor.tokenizer)
     engine = PrefillEngine(model, spec)
     out = []
@@ -108,7 +115,7 @@ def prepare(
         first = int(logits.argmax())
         q = [rec.q[layer] for layer in range(spec.num_layers)]
         m = inputs.modality.m
-        nxt = _next_attention(model, keys, values, first, m)
+        nxt = _next_attention(model, keys, values, first, m) if next_attention else []
         out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale, task))
     return out
 

@@ -54,6 +54,7 @@ ABLATION = (
     ("window: none (the paper's recent window only)", "vlcache", {"post_vision_window": False}),
     ("window: cap 1/4", "vlcache", {"post_vision_cap": 0.25}),
     ("scores not pooled", "vlcache", {"pool_kernel": 1}),
+    ("scores max-pooled over 7", "vlcache", {"pool_kernel": 7}),
     ("sinks: first 4 tokens", "vlcache", {"sink_tokens": 4}),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
@@ -62,14 +63,26 @@ ABLATION = (
     ("allocator: cake", "vlcache", {"allocator": "cake"}),
     ("allocator: pyramid, beta 2", "vlcache", {"pyramid_beta": 2.0}),
     ("allocator: pyramid, beta 20 (PyramidKV's)", "vlcache", {"pyramid_beta": 20.0}),
+    ("text window: off (every row, the paper's)", "vlcache", {"text_window": 0}),
+    ("text window: 8 rows", "vlcache", {"text_window": 8}),
     ("snapkv (baseline)", "snapkv", {}),
     ("pyramidkv (baseline)", "pyramidkv", {}),
 )
 
 
-def _configs(ablation: bool) -> list[tuple[str, str, dict]]:
+def _configs(ablation: bool, rows: str = "") -> list[tuple[str, str, dict]]:
+    """The table's rows; ``rows``: only the ``ABLATION`` rows with these labels (``|``-separated; the
+    protocol names the rows a held-out check still needs)."""
     if ablation:
-        return list(ABLATION)
+        if not rows:
+            return list(ABLATION)
+        wanted = [x.strip() for x in rows.split("|") if x.strip()]
+        unknown = [x for x in wanted if x not in {label for label, _, _ in ABLATION}]
+        if unknown:
+            raise ValueError(
+                f"unknown --rows {unknown}; ABLATION rows: {[label for label, _, _ in ABLATION]}"
+            )
+        return [row for row in ABLATION if row[0] in wanted]
     previous = (PREVIOUS_LABEL, DEFAULT_POLICY, PREVIOUS_DEFAULT)
     return [(DEFAULT_POLICY, DEFAULT_POLICY, {}), previous] + [(p, p, {}) for p in BASELINES]
 
@@ -89,7 +102,7 @@ def run_member(
     ms: list[int] = []
     parts = [examples[i : i + chunk] for i in range(0, len(examples), chunk)]
     for part in track(parts, desc=name, unit=f"{chunk} examples"):
-        prepared = prepare(model, processor, part, progress=False, task=mod)
+        prepared = prepare(model, processor, part, progress=False, task=mod, next_attention=False)
         ms += [p.m for p in prepared]
         part_texts: dict = {}
         merge(
@@ -101,6 +114,7 @@ def run_member(
         gc.collect()
     out = finalize({"hits": hits, "m": sum(ms) / len(ms), "geometry": mod.geometry})
     out["eviction_trained"] = mod.eviction_trained
+    out["real_decoder"] = mod.assemble is not None  # assembled from SmolLM2's GGUF
     if api:
         answers = {b: texts[DEFAULT_POLICY][str(b)] for b in budgets}
         out["api"] = _api_check(mod, model, processor, examples, budgets, answers)
@@ -165,13 +179,14 @@ def run_zoo(args) -> int:
     budgets = ZOO_BUDGETS
     names = args.members.split(",") if getattr(args, "members", "") else [*MEMBERS, TEXT]
     ablation = getattr(args, "ablation", False)
-    configs = _configs(ablation)
+    configs = _configs(ablation, getattr(args, "rows", "") or "")
     split = getattr(args, "split", "heldout")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "zoo_ablation" if ablation else "zoo"
     start = time.perf_counter()
     results: dict = {}
+    described = {label: {"policy": policy, "params": params} for label, policy, params in configs}
 
     def write() -> list[str]:  # after every member, so a long run leaves its tables as it goes
         md = zoo_report.render(
@@ -179,7 +194,7 @@ def run_zoo(args) -> int:
         )
         (out / f"{stem}.md").write_text("\n".join(md) + "\n")
         (out / f"{stem}.json").write_text(
-            json.dumps({"split": split, "n": args.n, "results": results}, indent=1)
+            json.dumps({"split": split, "n": args.n, "configs": described, "results": results}, indent=1)
         )
         return md
 
@@ -211,6 +226,8 @@ def _command(args, split: str) -> str:
     cmd = f"vlkv eval --zoo{flags} -n {args.n} --split {split}"
     if getattr(args, "members", ""):
         cmd += f" --members {args.members}"
+    if getattr(args, "rows", ""):
+        cmd += f" --rows '{args.rows}'"
     for flag in ("text_n", "text_lengths", "text_tasks"):
         value = getattr(args, flag, None)
         if value not in (None, ""):

@@ -96,7 +96,7 @@ def score_rows(
             rows += [(ORACLE_DEFAULT, at_default), (ORACLE_OWN, own)]
         if not rows:
             continue
-        _, answers = decode([c for _, caches in rows for c in caches])
+        answers = _decode_unique(decode, [c for _, caches in rows for c in caches], len(prepared))
         for j, (label, _) in enumerate(rows):
             mine = answers[j * len(prepared) : (j + 1) * len(prepared)]
             right.setdefault(label, {})[str(b)] = [
@@ -105,6 +105,19 @@ def score_rows(
             if texts is not None:
                 texts.setdefault(label, {})[str(b)] = mine
     return right
+
+
+def _decode_unique(decode, caches: list, n: int) -> list[str]:
+    """Answers of ``caches`` (rows of ``n`` examples each), decoding once the caches of one example that
+    keep the same positions (two rows that choose alike: the same cache, so the same greedy answer)."""
+    first: dict = {}
+    where = []
+    for j, c in enumerate(caches):
+        key = (j % n, *(idx.cpu().numpy().tobytes() for idx in c.kept_indices)) if c.kept_indices else j
+        where.append(first.setdefault(key, len(first)))
+    unique = {i: c for c, i in zip(caches, where, strict=True)}
+    _, answers = decode([unique[i] for i in range(len(unique))])
+    return [answers[i] for i in where]
 
 
 def _decoder(model, processor, max_new_tokens: int, chunk: int):

@@ -20,6 +20,8 @@ from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import text_suite as ts
 
 MIN_FULL = 0.9
+SCREEN = 10
+"""Items per step of the full-cache pass (a task the model cannot do stops after the first)."""
 TEXT_LENGTHS = (1024, 2048)
 """The default run's lengths; 4,096 behind ``--text-lengths``."""
 
@@ -76,28 +78,47 @@ def run_text(
     gc.collect()
 
 
-def run_task(model, processor, t: TextTask, n, seed, split, configs, budgets, chunk, oracle) -> dict:
-    """Chunk by chunk: one prefill, the full cache's answers, then every row and the oracles. A task is
-    dropped once the full cache's accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over
-    the items so far is below it: no rows are run from then on), or when it ends below it."""
+def run_task(
+    model, processor, t: TextTask, n, seed, split, configs, budgets, chunk, oracle, screen: int = SCREEN
+) -> dict:
+    """Two passes. First the full cache alone, ``screen`` items at a time: the task is dropped as soon as its
+    full-cache accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over the items so far is
+    below it), or when it ends below it; no row is run for a dropped task. Then, chunk by chunk, one prefill
+    and every row and the oracles (from the first pass's full-cache answers)."""
     items = t.make_examples(n, seed, split)
-    parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
+    result = {"eviction_trained": False, "real_decoder": True, "geometry": t.geometry}
+    ids: list = []
     right: dict = {}
     ms: list[int] = []
-    result = {"eviction_trained": False, "geometry": t.geometry}
-    for part in track(parts, desc=t.name, unit=f"{chunk} items"):
-        prepared = prepare(model, processor, part, progress=False, task=t)
+    for part in track(_parts(items, screen), desc=f"{t.name} full cache", unit=f"{screen} items"):
+        prepared = prepare(model, processor, part, progress=False, task=t, next_attention=False)
         ms += [p.m for p in prepared]
-        ids, full = full_answers(model, processor, prepared, t.max_new_tokens)
+        part_ids, full = full_answers(model, processor, prepared, t.max_new_tokens)
+        ids += part_ids
         merge(right, full)
         seen = right[FULL]["1.0"]
         if wilson(sum(seen), len(seen))[1] < MIN_FULL:
             result["dropped"] = f"full cache {sum(seen)} of {len(seen)} right: cannot reach {MIN_FULL}"
             break
-        merge(right, score_rows(model, processor, prepared, ids, configs, budgets, t.max_new_tokens, oracle))
         del prepared
-        gc.collect()
     seen = right[FULL]["1.0"]
     if "dropped" not in result and sum(seen) / len(seen) < MIN_FULL:
         result["dropped"] = f"full cache {sum(seen) / len(seen):.3f} < {MIN_FULL}"
+    if "dropped" in result:
+        return result | {"hits": right, "m": sum(ms) / len(ms)}
+    done = 0
+    for part in track(_parts(items, chunk), desc=f"{t.name} rows", unit=f"{chunk} items"):
+        prepared = prepare(model, processor, part, progress=False, task=t, next_attention=False)
+        part_ids = ids[done : done + len(part)]
+        done += len(part)
+        merge(
+            right,
+            score_rows(model, processor, prepared, part_ids, configs, budgets, t.max_new_tokens, oracle),
+        )
+        del prepared
+        gc.collect()
     return result | {"hits": right, "m": sum(ms) / len(ms)}
+
+
+def _parts(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,138 @@
+"""The tuning protocol v2 (tools/eval/protocol.py) on made-up zoo results: scores relative to the oracle,
+real members first, leave-one-member-out folds, adoption, and the saved JSON read back."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+from vlkv.tools.eval import protocol
+from vlkv.tools.eval.protocol import CURRENT, choose, decide, load, score
+from vlkv.tools.eval.zoo_report import finalize
+from vlkv.tools.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
+
+B = ("0.01", "0.1")
+BUDGETS = (0.01, 0.1)
+N = 20
+
+
+def _hits(acc: float) -> list[bool]:
+    k = round(N * acc)
+    return [True] * k + [False] * (N - k)
+
+
+def _member(rows: dict, oracle=(1.0, 1.0), real=False, eviction=False, full=1.0) -> dict:
+    """rows: {label: (acc at 1%, acc at 10%)}."""
+    hits = {FULL: {"1.0": _hits(full)}}
+    for label, accs in {ORACLE_DEFAULT: oracle, ORACLE_OWN: oracle, **rows}.items():
+        hits[label] = {b: _hits(a) for b, a in zip(B, accs, strict=True)}
+    r = {"hits": hits, "m": 100, "eviction_trained": eviction, "real_decoder": real, "geometry": ""}
+    return finalize(r)
+
+
+def _configs(labels):
+    return {x: {"policy": "vlcache", "params": {}} for x in labels} | {"snapkv": {"policy": "snapkv"}}
+
+
+def test_score_is_relative_to_the_oracle_and_leaves_model_bound_cells_out():
+    r = _member({"p": (0.75, 0.9)}, oracle=(0.95, 1.0))  # 1%: 0.75 / 0.95; 10%: 0.9 / 1.0
+    assert score({"a": r}, "p", ["a"], BUDGETS) == pytest.approx((0.75 / 0.95 + 0.9) / 2)
+    bound = _member({"p": (0.1, 0.9)}, oracle=(0.2, 1.0))  # 1% model-bound: oracle 0.2 < 0.9 of full
+    assert score({"a": bound}, "p", ["a"], BUDGETS) == pytest.approx(0.9)
+    both = {"a": r, "b": _member({"p": (0.5, 0.5)})}
+    assert score(both, "p", ["a", "b"], BUDGETS) == pytest.approx((0.5 + 0.5) / 2)  # worst per budget
+    both["b"] = _member({"p": (1.0, 0.5)})
+    assert score(both, "p", ["a", "b"], BUDGETS) == pytest.approx((0.75 / 0.95 + 0.5) / 2)
+    assert math.isnan(score(both, "missing", ["a"], BUDGETS))
+
+
+def test_real_members_are_scored_first_and_others_break_near_ties():
+    labels = [CURRENT, "p", "q"]
+    results = {
+        "toy": _member({CURRENT: (0.5, 0.5), "p": (0.9, 0.9), "q": (0.2, 0.2)}),
+        "text": _member({CURRENT: (0.7, 0.7), "p": (0.6, 0.6), "q": (0.8, 0.8)}, real=True),
+    }
+    # q is best on the real member, though worst on the toy
+    assert choose(results, ["text", "toy"], labels, BUDGETS).label == "q"
+    # within TIE on the real member, the toy decides
+    results["text"] = _member({CURRENT: (0.8, 0.8), "p": (0.8, 0.8), "q": (0.8, 0.8)}, real=True)
+    assert choose(results, ["text", "toy"], labels, BUDGETS).label == "p"
+
+
+def _zoo(p_on_c_heldout: float):
+    """Three toys: ``p`` is best on a and b (train), so every fold that leaves out a or b still sees it win
+    on the other; c is where its held-out accuracy is ``p_on_c_heldout`` against the current 0.6."""
+    train = {
+        "a": _member({CURRENT: (0.5, 0.8), "p": (0.7, 0.9)}),
+        "b": _member({CURRENT: (0.5, 0.8), "p": (0.6, 0.9)}),
+        "c": _member({CURRENT: (0.6, 0.6), "p": (0.6, 0.6)}),
+        "ev": _member({CURRENT: (0.1, 0.1), "p": (0.0, 0.0)}, eviction=True),
+    }
+    heldout = {
+        "a": _member({CURRENT: (0.5, 0.8), "p": (0.7, 0.9)}),
+        "b": _member({CURRENT: (0.5, 0.8), "p": (0.6, 0.9)}),
+        "c": _member({CURRENT: (0.6, 0.6), "p": (p_on_c_heldout, 0.6)}),
+        "ev": _member({CURRENT: (0.5, 0.5), "p": (0.0, 0.0)}, eviction=True),
+    }
+    for r in [*train.values(), *heldout.values()]:
+        r["configs"] = _configs([CURRENT, "p"])
+    return train, heldout
+
+
+def test_lomo_adopts_a_choice_that_holds_on_every_left_out_member():
+    train, heldout = _zoo(0.6)
+    d = decide(train, heldout, BUDGETS)
+    assert d.choice.label == "p" and [f.left_out for f in d.folds] == ["a", "b", "c"]
+    assert all(f.holds for f in d.folds)
+    assert d.adopted, d.reasons  # the eviction-trained member's drop does not count
+    assert "ev" not in d.checks
+
+
+def test_a_choice_below_the_default_on_a_left_out_member_is_not_adopted():
+    train, heldout = _zoo(0.55)  # p loses 5 points on c at 1%
+    d = decide(train, heldout, BUDGETS)
+    fold = next(f for f in d.folds if f.left_out == "c")
+    assert fold.choice == "p" and fold.diffs[0] == pytest.approx(-5.0) and not fold.holds
+    assert not d.adopted and any("c" in r for r in d.reasons)
+
+
+def test_a_choice_that_wins_only_on_the_whole_set_is_tuned_to_it():
+    # x is the best worst member over a, b, c; leave any one out and a specialist of the other two wins
+    rows = {
+        "a": {CURRENT: 0.6, "x": 0.7, "y": 0.9, "z": 0.5, "w": 0.9},
+        "b": {CURRENT: 0.6, "x": 0.7, "y": 0.9, "z": 0.9, "w": 0.5},
+        "c": {CURRENT: 0.6, "x": 0.7, "y": 0.5, "z": 0.9, "w": 0.9},
+    }
+    train = {n: _member({k: (v, v) for k, v in r.items()}) for n, r in rows.items()}
+    for r in train.values():
+        r["configs"] = _configs([CURRENT, "x", "y", "z", "w"])
+    d = decide(train, train, BUDGETS)
+    assert d.choice.label == "x"
+    assert sorted(f.choice for f in d.folds) == ["w", "y", "z"]
+    assert not d.adopted and any("tuned to the set: the choice wins 0 of 3" in r for r in d.reasons)
+
+
+def test_run_protocol_reads_saved_zoo_json_and_merges_rows_run_apart(tmp_path):
+    train, heldout = _zoo(0.6)
+
+    def save(name, split, results, labels):
+        keep = {
+            m: {**r, "hits": {k: v for k, v in r["hits"].items() if k in (*labels, FULL, ORACLE_DEFAULT)}}
+            for m, r in results.items()
+        }
+        data = {"split": split, "n": N, "configs": _configs(labels), "results": keep}
+        (tmp_path / name).write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    paths = [
+        save("t1.json", "train", train, [CURRENT]),
+        save("t2.json", "train", train, ["p"]),
+        save("h.json", "heldout", heldout, [CURRENT, "p"]),
+    ]
+    merged = load(paths)
+    assert set(merged["train"]["a"]["rows"]) == {CURRENT, "p", ORACLE_DEFAULT}
+    out = tmp_path / "out"
+    assert protocol.run_protocol(SimpleNamespace(protocol=paths, out=str(out))) == 0
+    summary = json.loads((out / "protocol.json").read_text())
+    assert summary["choice"] == "p" and summary["adopted"]
+    assert "Leave-one-member-out" in (out / "protocol.md").read_text()

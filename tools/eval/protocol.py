@@ -1,0 +1,344 @@
+"""The tuning protocol, v2 (``common/compression/README.md``): choose vlcache's defaults from saved results.
+
+``vlkv eval --protocol TRAIN.json [HELDOUT.json ...]`` reads ``vlkv eval --zoo --ablation`` outputs
+(``zoo.json`` / ``zoo_ablation.json``; several files are merged per split and member, so rows and members
+run apart add up) and recomputes the choice without running a model:
+
+- **Members that count**: not eviction-trained, not a dropped text task. The real-decoder members and the
+  real-text tasks (SmolLM2) are scored first, the others second (``choose``).
+- **A candidate's score** on a set of members: per budget, the worst member's accuracy relative to its better
+  oracle row, model-bound cells (better oracle < 0.9 of full) left out; averaged over the budgets.
+- **Choosing** (``choose``): the best score on the real members; among the candidates within ``TIE`` of it,
+  the best score on the others; then the mean relative accuracy over every member that counts.
+- **Leave-one-member-out** (``lomo``): per member that counts, the choice on the *other* members' training
+  splits, checked on the left-out member's held-out split against the current default: no budget (not
+  model-bound) more than ``MAX_DROP`` points below it.
+- **Adopting** (``decide``): the choice on every member's training split becomes the default only if every
+  fold holds, it is the choice of at least half of the folds (a candidate that wins only when every member
+  is seen is tuned to the set), and on the held-out splits it lowers no member that counts by more than
+  ``MAX_DROP`` points at a budget that is not model-bound, nor a real-decoder member or text task at any
+  budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlkv.common.compression.registry import DEFAULT_POLICY
+from vlkv.tools.eval.zoo_report import counts, finalize, model_bound
+from vlkv.tools.eval.zoo_scoring import ORACLES
+
+BUDGETS = (0.01, 0.02, 0.05, 0.10)
+CURRENT = "vlcache (defaults)"
+"""The current default's row in ``--ablation`` runs (``DEFAULT_POLICY``'s label in the plain run)."""
+TIE = 0.01
+"""Scores on the real members within this of the best go on to the other members' score."""
+MAX_DROP = 1.0
+"""Accuracy points a choice may lose against the current default on a held-out member at a budget."""
+
+
+def load(paths) -> dict[str, dict[str, dict]]:
+    """``{split: {member: result}}`` from ``vlkv eval --zoo`` JSON files, rows of one member and split merged
+    (the per-example hits of a row run twice must agree in n; the later file's are kept)."""
+    out: dict[str, dict[str, dict]] = {}
+    configs: dict = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        split = data.get("split", "heldout")
+        configs |= data.get("configs", {})
+        for name, r in data["results"].items():
+            into = out.setdefault(split, {}).setdefault(name, {k: v for k, v in r.items() if k != "hits"})
+            if "dropped" in r:
+                into["dropped"] = r["dropped"]
+            hits = into.setdefault("hits", {})
+            for label, by_b in r.get("hits", {}).items():
+                for b, h in by_b.items():
+                    old = hits.get(label, {}).get(b)
+                    if old is not None and len(old) != len(h):
+                        raise ValueError(f"{path}: {name} {label} at {b}: n {len(h)} but {len(old)} before")
+                    hits.setdefault(label, {})[b] = h
+    for results in out.values():
+        for r in results.values():
+            finalize(r)
+            r.setdefault("configs", configs)
+    return out
+
+
+def is_real(name: str, r: dict) -> bool:
+    """A real-decoder member or a real-text task (SmolLM2-135M-Instruct)."""
+    return bool(r.get("real_decoder", name.startswith("text ") or "SmolLM2" in r.get("geometry", "")))
+
+
+def current_label(results: dict) -> str:
+    labels = {label for r in results.values() for label in r.get("rows", {})}
+    return CURRENT if CURRENT in labels else DEFAULT_POLICY
+
+
+def oracle_of(r: dict, b) -> float:
+    """The better oracle row's accuracy at ``b`` (the full cache's when no oracle was run)."""
+    found = [r["rows"][o][str(b)] for o in ORACLES if str(b) in r["rows"].get(o, {})]
+    return max(found) if found else r["full"]
+
+
+def relative(r: dict, label: str, b) -> float | None:
+    """Accuracy relative to the better oracle; None where model-bound or not measured."""
+    acc = r.get("rows", {}).get(label, {}).get(str(b))
+    if acc is None or model_bound(r, b):
+        return None
+    oracle = oracle_of(r, b)
+    return acc / oracle if oracle else None
+
+
+def score(results: dict, label: str, names, budgets=BUDGETS) -> float:
+    """Per budget the worst of ``names``' relative accuracies (model-bound cells left out), averaged over the
+    budgets that have one; nan when none has."""
+    worst = []
+    for b in budgets:
+        rel = [x for n in names if (x := relative(results[n], label, b)) is not None]
+        if rel:
+            worst.append(min(rel))
+    return sum(worst) / len(worst) if worst else float("nan")
+
+
+def mean_relative(results: dict, label: str, names, budgets=BUDGETS) -> float:
+    rel = [x for n in names for b in budgets if (x := relative(results[n], label, b)) is not None]
+    return sum(rel) / len(rel) if rel else float("nan")
+
+
+def counting(results: dict) -> list[str]:
+    """Members that count, the real-decoder members and text tasks first."""
+    names = [n for n, r in results.items() if counts(r)]
+    return sorted(names, key=lambda n: not is_real(n, results[n]))
+
+
+def candidates(results: dict) -> list[str]:
+    """vlcache's rows (the ``--ablation`` rows whose policy is vlcache; baselines and oracles left out),
+    in the table's order, that every member that counts has."""
+    names = counting(results)
+    if not names:
+        return []
+    first = results[names[0]]
+    configs = first.get("configs", {})
+    labels = [x for x in first.get("rows", {}) if x not in ORACLES]
+    if configs:
+        labels = [x for x in labels if configs.get(x, {}).get("policy") == DEFAULT_POLICY]
+    else:
+        labels = [x for x in labels if not x.endswith("(baseline)") and x == x.strip()]
+    return [x for x in labels if all(x in results[n].get("rows", {}) for n in names)]
+
+
+@dataclass
+class Choice:
+    label: str
+    table: list[tuple[str, float, float, float]]  # (candidate, real score, other score, mean) best first
+
+
+def _key(x: float) -> float:
+    return -1.0 if math.isnan(x) else x
+
+
+def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
+    """The candidate with the best score on the real members of ``names``; among those within ``TIE`` of it,
+    the best on the others; then the best mean; then the table's order. With no real member, the others'
+    score comes first."""
+    real = [n for n in names if is_real(n, results[n])]
+    other = [n for n in names if n not in real]
+    rows = [
+        (
+            x,
+            score(results, x, real, budgets),
+            score(results, x, other, budgets),
+            mean_relative(results, x, names, budgets),
+        )
+        for x in labels
+    ]
+    if real:
+        best = max(_key(s) for _, s, _, _ in rows)
+        pool = [row for row in rows if _key(row[1]) >= best - TIE - 1e-12]
+    else:
+        pool = rows
+    ranked = sorted(pool, key=lambda t: (-_key(t[2]), -_key(t[3])))
+    rest = sorted((r for r in rows if r not in pool), key=lambda t: (-_key(t[1]), -_key(t[2]), -_key(t[3])))
+    return Choice(ranked[0][0], ranked + rest)
+
+
+def drops(r: dict, label: str, base: str, budgets=BUDGETS, every_budget: bool = False) -> list:
+    """Per budget ``label``'s accuracy minus ``base``'s in points; None where not measured, or model-bound
+    (unless ``every_budget``)."""
+    out = []
+    for b in budgets:
+        rows = r.get("rows", {})
+        a, c = rows.get(label, {}).get(str(b)), rows.get(base, {}).get(str(b))
+        skip = a is None or c is None or (model_bound(r, b) and not every_budget)
+        out.append(None if skip else 100 * (a - c))
+    return out
+
+
+def holds(diffs: list) -> bool:
+    """No measured budget more than ``MAX_DROP`` points down (None cells are not checked)."""
+    return all(d >= -MAX_DROP - 1e-9 for d in diffs if d is not None)
+
+
+@dataclass
+class Fold:
+    left_out: str
+    choice: str
+    diffs: list  # held-out points per budget against the current default (None: model-bound / missing)
+    accuracy: dict = field(default_factory=dict)  # {label: [held-out accuracy per budget]}
+    measured: bool = True
+
+    @property
+    def holds(self) -> bool:
+        return self.measured and holds(self.diffs)
+
+
+def lomo(train: dict, heldout: dict, labels, current: str, budgets=BUDGETS) -> list[Fold]:
+    """One fold per member that counts: the choice on the others' training splits, checked on its held-out."""
+    names = counting(train)
+    folds = []
+    for left in names:
+        pick = choose(train, [n for n in names if n != left], labels, budgets).label
+        r = heldout.get(left, {})
+        rows = r.get("rows", {})
+        measured = pick in rows and current in rows
+        acc = {x: [rows[x].get(str(b)) for b in budgets] for x in (pick, current) if x in rows}
+        diffs = drops(r, pick, current, budgets) if measured else [None] * len(budgets)
+        folds.append(Fold(left, pick, diffs, acc, measured))
+    return folds
+
+
+@dataclass
+class Decision:
+    choice: Choice
+    folds: list[Fold]
+    current: str
+    checks: dict  # {member: [points per budget]} of the choice against the current default, held-out
+    adopted: bool
+    reasons: list[str]
+
+
+def decide(train: dict, heldout: dict, budgets=BUDGETS) -> Decision:
+    labels = candidates(train)
+    if not labels:
+        raise ValueError("no candidate row that every member that counts has on the training split")
+    current = current_label(train)
+    names = counting(train)
+    choice = choose(train, names, labels, budgets)
+    folds = lomo(train, heldout, labels, current, budgets)
+    reasons = []
+    if choice.label == current:
+        reasons.append("the choice is the current default")
+    failed = [f.left_out for f in folds if not f.holds]
+    if failed:
+        reasons.append("folds that do not hold (or were not measured): " + ", ".join(failed))
+    wins = sum(f.choice == choice.label for f in folds)
+    if 2 * wins < len(folds):
+        reasons.append(f"tuned to the set: the choice wins {wins} of {len(folds)} folds")
+    checks = {}
+    for name, r in heldout.items():
+        real = is_real(name, r)
+        if not (counts(r) or real) or "dropped" in r:
+            continue
+        checks[name] = drops(r, choice.label, current, budgets, every_budget=real)
+        if not holds(checks[name]):
+            reasons.append(f"held-out {name}: {_points(checks[name])}")
+    missing = [n for n in names if n not in checks]
+    if missing:
+        reasons.append("not measured held-out: " + ", ".join(missing))
+    return Decision(choice, folds, current, checks, not reasons, reasons)
+
+
+def _points(diffs) -> str:
+    return " / ".join("-" if d is None else f"{d:+.1f}" for d in diffs)
+
+
+def _acc(xs) -> str:
+    return " / ".join("-" if x is None else f"{x:.3f}" for x in xs)
+
+
+def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGETS) -> list[str]:
+    pct = " / ".join(f"{b:.0%}" for b in budgets)
+    names = counting(train)
+    real = [n for n in names if is_real(n, train[n])]
+    md = [
+        "# Tuning protocol v2",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Members that count (real decoder / text first): {', '.join(names)}; real: {', '.join(real) or 'none'}.",
+        "",
+        "## Scores on the training splits (every member that counts)",
+        "",
+        "| candidate | real members (decoder, text) | the others | mean over members |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, a, b, c in d.choice.table:
+        mark = " (chosen)" if label == d.choice.label else (" (current)" if label == d.current else "")
+        md.append(f"| {label}{mark} | {a:.3f} | {b:.3f} | {c:.3f} |")
+    md += [
+        "",
+        f"## Leave-one-member-out (held-out, {pct}; points against `{d.current}`; fails below -{MAX_DROP:g})",
+        "",
+        "| left out | choice on the others | choice held-out | current held-out | points | holds |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for f in d.folds:
+        mine = f.accuracy.get(f.choice, [None] * len(budgets))
+        base = f.accuracy.get(d.current, [None] * len(budgets))
+        ok = "yes" if f.holds else ("not measured" if not f.measured else "no")
+        md.append(f"| {f.left_out} | {f.choice} | {_acc(mine)} | {_acc(base)} | {_points(f.diffs)} | {ok} |")
+    md += [
+        "",
+        f"## Held-out: `{d.choice.label}` against `{d.current}` ({pct})",
+        "",
+        "| member | current | choice | points |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, r in heldout.items():
+        rows = r.get("rows", {})
+        if d.current not in rows:
+            continue
+        mark = (
+            " (eviction-trained)" if r.get("eviction_trained") else (" (dropped)" if "dropped" in r else "")
+        )
+        cur = [rows[d.current].get(str(b)) for b in budgets]
+        new = [rows.get(d.choice.label, {}).get(str(b)) for b in budgets]
+        diffs = drops(r, d.choice.label, d.current, budgets, every_budget=True)
+        bound = "".join("*" if model_bound(r, b) else "" for b in budgets)
+        md.append(
+            f"| {name}{mark} (n={r.get('n')}, full {r.get('full', 0):.3f}) | {_acc(cur)} | {_acc(new)} | "
+            f"{_points(diffs)}{' (model-bound: ' + str(len(bound)) + ')' if bound else ''} |"
+        )
+    verdict = "**adopted**" if d.adopted else "**not adopted**: " + "; ".join(d.reasons)
+    return md + ["", f"Choice on every member: `{d.choice.label}`; {verdict}.", ""]
+
+
+def run_protocol(args) -> int:
+    paths = args.protocol
+    data = load(paths)
+    train, heldout = data.get("train", {}), data.get("heldout", {})
+    if not train:
+        raise SystemExit("vlkv eval --protocol: no training-split results among " + ", ".join(paths))
+    d = decide(train, heldout)
+    command = "vlkv eval --protocol " + " ".join(str(p) for p in paths)
+    md = render(d, train, heldout, command)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "protocol.md").write_text("\n".join(md) + "\n")
+    summary = {
+        "choice": d.choice.label,
+        "current": d.current,
+        "adopted": d.adopted,
+        "reasons": d.reasons,
+        "folds": [
+            {"left_out": f.left_out, "choice": f.choice, "points": f.diffs, "holds": f.holds} for f in d.folds
+        ],
+        "table": d.choice.table,
+    }
+    (out / "protocol.json").write_text(json.dumps(summary, indent=1))
+    print("\n".join(md))
+    print(f"wrote {out / 'protocol.md'} and protocol.json")
+    return 0

@@ -114,3 +114,58 @@ def test_sink_tokens_are_kept_before_scored_ones():
     assert kept == [0, 1, 2] + list(range(93, 100))  # 3 sinks, then the best 6 (incl. the recent 1)
     with pytest.raises(ValueError, match="sink_tokens"):
         get_policy("vlcache", sink_tokens=-1)
+
+
+def test_span_after_keeps_the_tokens_after_an_attended_one():
+    m, k = 200, 20  # recent window 2 (positions 198, 199), 18 scored slots
+    scores = torch.rand(1, m, generator=torch.Generator().manual_seed(0)) * 0.1
+    scores[0, 50] = 5.0  # the name the question looks up; its value follows at 51..58, unattended
+    scores[0, 51:59] = 0.0
+    scores[0, 120:126] = 1.0  # a weaker run
+    keys = torch.zeros(1, m, 4)
+
+    def kept(**params):
+        policy = get_policy("snapkv", pool_kernel=1, **params)
+        return policy.select(policy.score(0, _stats(scores, 8), keys, keys, m, 0), k, 0)[0].tolist()
+
+    plain, spread = kept(), kept(span_after=8)
+    assert 50 in plain and not set(range(51, 59)) & set(plain)
+    assert len(spread) == k == len(set(spread)) and spread == sorted(spread)
+    assert set(range(50, 59)) <= set(spread)  # the name and the 8 tokens after it, before the weaker run
+    assert set(range(120, 129)) <= set(spread)  # the run, then its own span fills the rest (nearest first)
+    with pytest.raises(ValueError, match="span_after"):
+        get_policy("vlcache", span_after=-1)
+
+
+def test_chunks_are_kept_whole_by_their_summed_score():
+    m, k, chunk = 100, 12, 5  # recent window 2 (98, 99), 10 scored slots: two chunks
+    scores = torch.zeros(1, m)
+    scores[0, 33] = 3.0  # the best single token, alone in chunk 30..34 (sum 3)
+    scores[0, 60:65] = 1.0  # chunk 60..64, sum 5
+    scores[0, 10:15] = torch.tensor([0.1, 0.9, 0.8, 0.7, 0.6])  # chunk 10..14, sum 3.1
+    kept = get_policy("snapkv", pool_kernel=1, chunk_size=chunk).select(scores, k, 0)[0].tolist()
+    assert kept == list(range(10, 15)) + list(range(60, 65)) + [98, 99]
+    # one slot fewer: the third chunk's best token goes, never a chunk before it; the budget stays exact
+    kept = get_policy("snapkv", pool_kernel=1, chunk_size=chunk).select(scores, k - 1, 0)[0].tolist()
+    assert kept == list(range(11, 15)) + list(range(60, 65)) + [98, 99]
+    # sinks still come first
+    sinks = get_policy("snapkv", pool_kernel=1, chunk_size=chunk, sink_tokens=2).select(scores, k, 0)[0]
+    assert sinks.tolist() == [0, 1, 11, 12, 13] + list(range(60, 65)) + [98, 99]
+    with pytest.raises(ValueError, match="chunk_size"):
+        get_policy("vlcache", chunk_size=0)
+
+
+def test_span_and_chunk_options_round_trip_and_keep_the_budget():
+    from vlkv.common.compression import policy_from_dict
+
+    policy = get_policy("vlcache", span_after=6, chunk_size=8)
+    data = policy.to_dict()
+    assert data["span_after"] == 6 and data["chunk_size"] == 8 and policy_from_dict(data) == policy
+    with pytest.raises(ValueError, match="chunk_size"):
+        policy_from_dict({"policy": "vlcache", "chunk_size": 2.0})
+    m = 300
+    scores = torch.rand(3, m, generator=torch.Generator().manual_seed(1))
+    for k in (1, 7, 30, 299, 300):
+        kept = policy.select(scores, k, 40)
+        assert kept.shape == (3, k) and all(len(set(row.tolist())) == k for row in kept)
+        assert bool((kept[:, 1:] > kept[:, :-1]).all()) and int(kept.max()) < m

@@ -53,6 +53,10 @@ class Policy:
     text_window: a prompt with no vision tokens (tau = m) is treated as if its last ``text_window`` tokens
     were the post-vision text: they are the statistics rows that score the rest (SnapKV's observation
     window) and, with ``post_vision_window``, kept outright. 0: every row is post-vision (H2O-like scores).
+    span_after: each token also scores as the best of the ``span_after`` tokens before it (after pooling
+    and the GQA sum), so what follows an attended token is kept with it (0: off).
+    chunk_size: the scored tokens are kept in whole chunks of this many consecutive positions, the chunks
+    ranked by their summed score (ChunkKV; 1: token by token).
     """
 
     name: ClassVar[str] = "base"
@@ -69,6 +73,8 @@ class Policy:
     row_normalized: bool = False
     pool_kernel: int = 1
     text_window: int = 0
+    span_after: int = 0
+    chunk_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.allocator, str):
@@ -78,11 +84,13 @@ class Policy:
         for name in ("recent_ratio", "post_vision_cap"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("sink_tokens", "text_window"):
+        for name in ("sink_tokens", "text_window", "span_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.post_vision_slope < 0:
             raise ValueError(f"post_vision_slope must be >= 0, got {self.post_vision_slope}")
 
@@ -138,8 +146,8 @@ class Policy:
         Default: the column sums over those rows, ``sum_{h in group} sum_{i >= q0} A_hij``
         (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score. With
         ``row_normalized`` each column is divided by the number of those rows that see it; with
-        ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV)
-        (``selection.shape_scores``).
+        ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV), and with
+        ``span_after`` spread forward (``selection.shape_scores``).
         """
         if stats is None:
             raise ValueError(f"{self.name} scores need attention statistics")
@@ -150,6 +158,7 @@ class Policy:
             keys.shape[0],
             row_normalized=self.row_normalized,
             pool_kernel=self.pool_kernel,
+            span_after=self.span_after,
         )
 
     def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
@@ -161,8 +170,8 @@ class Policy:
         ``recent_count(k)`` positions before them (the end of the last image). With
         ``post_vision_by_score`` and a question longer than its share, the window's slots go to the
         best-scoring post-vision tokens instead of the last ones. ``sink_tokens`` first positions come
-        next; the rest are the top scores among the earlier positions, chosen per KV head
-        (``selection.keep``).
+        next; the rest are the top scores among the earlier positions, chosen per KV head, in whole
+        chunks with ``chunk_size > 1`` (``selection.keep``).
         """
         m = scores.shape[-1]
         window = self.post_vision_share(k, m) if self.post_vision_window else 0
@@ -174,6 +183,7 @@ class Policy:
             window=window,
             by_score=self.post_vision_by_score,
             sinks=self.sink_tokens,
+            chunk=self.chunk_size,
         )
 
     def post_vision_share(self, k: int, m: int) -> int:

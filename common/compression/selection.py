@@ -7,11 +7,15 @@ Per layer with budget ``k`` (``Policy.select``), in this order:
 - the recent window: the ``recent_count(k)`` tokens right before it (the paper's 10%);
 - the sinks: the first ``sinks`` prompt tokens (StreamingLLM), as far as the budget left allows, earliest
   first;
-- the rest: the top scores among the older tokens, per KV head.
+- the rest: the top scores among the older tokens, per KV head; with ``chunk > 1`` whole chunks of
+  ``chunk`` consecutive positions ranked by their summed score (ChunkKV), the best tokens of the last
+  chunk that fits only partly.
 
 Scores (``shape_scores``): a column sum over the statistics rows, optionally divided by the number of those
 rows that see each key (``row_normalized``, ZipCache's normalisation), then max-pooled along positions
-(``pool_kernel``, SnapKV's clustering), then summed over each GQA group.
+(``pool_kernel``, SnapKV's clustering), then summed over each GQA group, then optionally spread forward
+(``span_after``: each token also scores as the best of the ``span_after`` tokens before it, so the tokens
+that follow an attended one travel with it: a fact's value after the name the question looks up).
 """
 
 from __future__ import annotations
@@ -45,24 +49,62 @@ def post_vision_share(k: int, m: int, cap: float, slope: float) -> int:
 
 
 def shape_scores(
-    col_sum: torch.Tensor, m: int, tq: int, kv_heads: int, *, row_normalized: bool, pool_kernel: int
+    col_sum: torch.Tensor,
+    m: int,
+    tq: int,
+    kv_heads: int,
+    *,
+    row_normalized: bool,
+    pool_kernel: int,
+    span_after: int = 0,
 ) -> torch.Tensor:
     """``[H, m]`` column sums over ``tq`` query rows -> ``[H_kv, m]`` scores (see the module docstring)."""
     col_sum = col_sum.float()
     if row_normalized:
         col_sum = col_sum / rows_seeing(m, tq, col_sum.device)
-    return group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads)
+    return spread_forward(group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads), span_after)
 
 
-def _top(scores: torch.Tensor, end: int, count: int, sinks: int) -> torch.Tensor:
+SPAN_DECAY = 1e-4
+"""Per position of distance, the relative share a spread score loses (``spread_forward``): only a tie-break,
+so the tokens nearest the attended one come first when a span does not fit whole."""
+
+
+def spread_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """``[H, m]`` -> ``[H, m]``: each position scores the best of itself and the ``span`` positions before it,
+    the one ``d`` back weighted ``1 - SPAN_DECAY * d`` (0: unchanged)."""
+    if span <= 0:
+        return scores
+    out = scores.clone()
+    for d in range(1, min(span, scores.shape[-1] - 1) + 1):
+        out[:, d:] = torch.maximum(out[:, d:], scores[:, :-d] * (1.0 - SPAN_DECAY * d))
+    return out
+
+
+def chunk_keys(scores: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[H, n]`` scores -> ``[H, n]`` keys whose top-k takes whole chunks of ``chunk`` consecutive positions
+    (from position 0) in the order of their summed score, each chunk's tokens best first (ChunkKV)."""
+    heads, n = scores.shape
+    padded = torch.nn.functional.pad(scores, (0, -n % chunk))
+    sums = padded.view(heads, -1, chunk).sum(-1)  # [H, chunks]; a -inf token makes its chunk last
+    chunk_rank = sums.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).float()
+    token_rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).float()
+    own = chunk_rank.repeat_interleave(chunk, dim=-1)[:, :n]
+    return -own + 0.5 * (1.0 - token_rank / n)  # the chunk's rank first, then the token's within it
+
+
+def _top(scores: torch.Tensor, end: int, count: int, sinks: int, chunk: int = 1) -> torch.Tensor:
     """``count`` positions below ``end`` per head: the first ``sinks`` (earliest first when they do not all
-    fit), then the top scores."""
+    fit), then the top scores (``chunk > 1``: the best chunks, ``chunk_keys``)."""
     if sinks and count <= min(sinks, end):
         return torch.arange(count, device=scores.device).expand(scores.shape[0], count)
+    scores = scores[:, :end]
+    if chunk > 1:
+        scores = chunk_keys(scores, chunk)
     if sinks:  # every sink wins the top-k below
         scores = scores.clone()
         scores[:, :sinks] = math.inf
-    return scores[:, :end].topk(count, dim=-1).indices
+    return scores.topk(count, dim=-1).indices
 
 
 def keep(
@@ -74,12 +116,14 @@ def keep(
     window: int,
     by_score: bool,
     sinks: int,
+    chunk: int = 1,
 ) -> torch.Tensor:
     """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
 
     window: the post-vision window's size (0: none; at most tau, used only when ``0 < tau < m``).
     by_score: with a question longer than ``window``, its slots go to its best-scoring tokens and the
-    recent window sits right before the question. NaN scores rank last.
+    recent window sits right before the question. chunk: the older tokens are taken in whole chunks
+    (``chunk_keys``; 1: token by token). NaN scores rank last.
     """
     kv_heads, m = scores.shape
     if not 1 <= k <= m:
@@ -91,9 +135,9 @@ def keep(
         recent = min(recent, k - window, m - tau)
         own = scores[:, m - tau :].topk(window, dim=-1).indices + (m - tau)
         tail = torch.arange(m - tau - recent, m - tau, device=scores.device).expand(kv_heads, recent)
-        top = _top(scores, m - tau - recent, k - window - recent, sinks)
+        top = _top(scores, m - tau - recent, k - window - recent, sinks, chunk)
         return torch.cat([top, tail, own], dim=-1).sort(dim=-1).values
     recent = min(k, window + recent)
     tail = torch.arange(m - recent, m, device=scores.device).expand(kv_heads, recent)
-    top = _top(scores, m - recent, k - recent, sinks)
+    top = _top(scores, m - recent, k - recent, sinks, chunk)
     return torch.cat([top, tail], dim=-1).sort(dim=-1).values

@@ -56,6 +56,8 @@ ABLATION = (
     ("scores not pooled", "vlcache", {"pool_kernel": 1}),
     ("scores max-pooled over 7", "vlcache", {"pool_kernel": 7}),
     ("sinks: first 4 tokens", "vlcache", {"sink_tokens": 4}),
+    ("scores spread 8 tokens forward", "vlcache", {"span_after": 8}),
+    ("chunks of 10 tokens (ChunkKV)", "vlcache", {"chunk_size": 10}),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

@@ -48,6 +48,7 @@ def _fake_pipeline(monkeypatch, right_of):
 
     def prepare(model, processor, part, progress, task, next_attention):
         calls["prepare"] += 1
+        calls.setdefault("prepare_items", []).append(len(part))
         return [SimpleNamespace(m=10, example=i) for i in part]
 
     def full_answers(model, processor, prepared, max_new_tokens):
@@ -79,8 +80,11 @@ def test_a_task_below_the_bar_only_at_the_end_runs_no_row_either(monkeypatch):
 
 def test_a_task_the_model_can_do_scores_every_row_in_chunks(monkeypatch):
     calls = _fake_pipeline(monkeypatch, lambda i: True)
+    monkeypatch.setattr(zoo_text, "_nbytes", lambda p: 1)
+    monkeypatch.setattr(zoo_text, "KEEP_BYTES", 12)  # the first 12 prefills are kept for the rows
     r = zoo_text.run_task(None, None, _Task(0), 30, 0, "heldout", [], [0.1], 25, True, screen=10)
     assert "dropped" not in r and calls["rows"] == [25, 5]
+    assert calls["prepare_items"] == [10, 10, 10, 13, 5]  # 3 screens, then the items not kept
     assert len(r["hits"]["row"]["0.1"]) == 30 and r["real_decoder"]
 
 

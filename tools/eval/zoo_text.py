@@ -22,6 +22,8 @@ from vlkv.tools.zoo import text_suite as ts
 MIN_FULL = 0.9
 SCREEN = 10
 """Items per step of the full-cache pass (a task the model cannot do stops after the first)."""
+KEEP_BYTES = 3 << 30
+"""The first pass's prefills (Q, K, V) kept for the rows, up to this many bytes (~50 items at 1K tokens)."""
 TEXT_LENGTHS = (1024, 2048)
 """The default run's lengths; 4,096 behind ``--text-lengths``."""
 
@@ -83,19 +85,26 @@ def run_task(
 ) -> dict:
     """Two passes. First the full cache alone, ``screen`` items at a time: the task is dropped as soon as its
     full-cache accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over the items so far is
-    below it), or when it ends below it; no row is run for a dropped task. Then, chunk by chunk, one prefill
-    and every row and the oracles (from the first pass's full-cache answers)."""
+    below it), or when it ends below it; no row is run for a dropped task. Then, chunk by chunk, every row and
+    the oracles (from the first pass's full-cache answers), on the first pass's prefills while they fit in
+    ``KEEP_BYTES``, on new ones after."""
     items = t.make_examples(n, seed, split)
     result = {"eviction_trained": False, "real_decoder": True, "geometry": t.geometry}
     ids: list = []
     right: dict = {}
     ms: list[int] = []
+    kept: list = []
+    room = KEEP_BYTES
     for part in track(_parts(items, screen), desc=f"{t.name} full cache", unit=f"{screen} items"):
         prepared = prepare(model, processor, part, progress=False, task=t, next_attention=False)
         ms += [p.m for p in prepared]
         part_ids, full = full_answers(model, processor, prepared, t.max_new_tokens)
         ids += part_ids
         merge(right, full)
+        for i, p in enumerate(prepared):  # a prefix of the items, while they fit
+            if len(kept) == len(ids) - len(prepared) + i and _nbytes(p) <= room:
+                kept.append(p)
+                room -= _nbytes(p)
         seen = right[FULL]["1.0"]
         if wilson(sum(seen), len(seen))[1] < MIN_FULL:
             result["dropped"] = f"full cache {sum(seen)} of {len(seen)} right: cannot reach {MIN_FULL}"
@@ -108,16 +117,27 @@ def run_task(
         return result | {"hits": right, "m": sum(ms) / len(ms)}
     done = 0
     for part in track(_parts(items, chunk), desc=f"{t.name} rows", unit=f"{chunk} items"):
-        prepared = prepare(model, processor, part, progress=False, task=t, next_attention=False)
+        reuse = kept[done : done + len(part)]
+        prepared = reuse + (
+            prepare(model, processor, part[len(reuse) :], progress=False, task=t, next_attention=False)
+            if len(reuse) < len(part)
+            else []
+        )
         part_ids = ids[done : done + len(part)]
+        kept[done : done + len(reuse)] = [None] * len(reuse)  # freed once scored
         done += len(part)
         merge(
             right,
             score_rows(model, processor, prepared, part_ids, configs, budgets, t.max_new_tokens, oracle),
         )
-        del prepared
+        del prepared, reuse
         gc.collect()
     return result | {"hits": right, "m": sum(ms) / len(ms)}
+
+
+def _nbytes(p) -> int:
+    tensors = [*getattr(p, "q", []), *getattr(p, "keys", []), *getattr(p, "values", [])]
+    return sum(x.numel() * x.element_size() for x in tensors)
 
 
 def _parts(items: list, size: int) -> list[list]:

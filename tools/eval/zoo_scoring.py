@@ -19,6 +19,8 @@ FULL = "full"
 ORACLE_DEFAULT = "oracle (default's budgets)"
 ORACLE_OWN = "oracle (own budgets)"
 ORACLES = (ORACLE_DEFAULT, ORACLE_OWN)
+DECODE_CHUNK = 1000
+"""Compressed caches decoded in one batch at most (every row and oracle of a chunk at one budget)."""
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -40,7 +42,7 @@ def score_chunk(
     max_new_tokens: int,
     oracle: bool = True,
     texts: dict | None = None,
-    decode_chunk: int = 600,
+    decode_chunk: int = DECODE_CHUNK,
 ) -> dict[str, dict[str, list[bool]]]:
     """``{row: {str(budget): [right per example]}}`` with ``FULL`` under ``"1.0"``.
 
@@ -75,7 +77,7 @@ def score_rows(
     max_new_tokens,
     oracle=True,
     texts=None,
-    decode_chunk=600,
+    decode_chunk=DECODE_CHUNK,
 ) -> dict[str, dict[str, list[bool]]]:
     """Every row (and the oracles, from the answers ``full_ids``) at every budget; ``score_chunk``'s rows."""
     decode = _decoder(model, processor, max_new_tokens, decode_chunk)
@@ -124,9 +126,11 @@ def _decoder(model, processor, max_new_tokens: int, chunk: int):
     eos = {processor.tokenizer.eos_token_id}
 
     def decode(caches):
+        # as few batches as ``chunk`` allows, of even sizes (a small last batch costs as many steps)
+        size = -(-len(caches) // max(1, -(-len(caches) // chunk))) if caches else 1
         ids = []
-        for i in range(0, len(caches), chunk):
-            ids += decode_batch(model, caches[i : i + chunk], max_new_tokens, eos)
+        for i in range(0, len(caches), size):
+            ids += decode_batch(model, caches[i : i + size], max_new_tokens, eos)
         return ids, [processor.tokenizer.decode(o, skip_special_tokens=True) for o in ids]
 
     return decode

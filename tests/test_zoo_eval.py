@@ -72,10 +72,11 @@ def test_a_text_task_the_model_cannot_do_stops_after_the_first_screen_and_runs_n
     assert len(r["hits"][FULL]["1.0"]) == 10
 
 
-def test_a_task_below_the_bar_only_at_the_end_runs_no_row_either(monkeypatch):
+def test_a_task_below_the_bar_stops_once_too_many_are_wrong_and_runs_no_row(monkeypatch):
     calls = _fake_pipeline(monkeypatch, lambda i: i % 6 != 0)  # 41 of 50 right: 0.82
     r = zoo_text.run_task(None, None, _Task(0), 50, 0, "heldout", [], [0.1], 25, True, screen=10)
-    assert "dropped" in r and calls["rows"] == [] and len(r["hits"][FULL]["1.0"]) == 50
+    # the 6th wrong one (item 30) rules out 0.9 of 50; the Wilson bound alone would have run all 50
+    assert "dropped" in r and calls["rows"] == [] and len(r["hits"][FULL]["1.0"]) == 40
 
 
 def test_a_task_the_model_can_do_scores_every_row_in_chunks(monkeypatch):

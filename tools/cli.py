@@ -668,6 +668,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
+    p.add_argument(
+        "--compression-profile",
+        default="",
+        help="--api: serve this vlkv calibrate profile and check its answers (requests name only a budget) "
+        "against the in-process evaluation of each budget's entry",
+    )
     p.add_argument("--out", default="out/eval", help="where --table writes table.md and the plot")
     p.set_defaults(func=cmd_eval)
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 from vlkv.common.compression.profile import read_profile
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, PoolConfig, ServerConfig
@@ -68,6 +69,34 @@ def test_teacher_forcing_the_full_cache_reproduces_its_greedy_decode():
     forced = engine.teacher_force([full], 6, tokens=[greedy])
     assert own == forced == [greedy] and len(seen) == len(greedy) - 1
     assert [s[0] for s in seen] == greedy[1:]
+
+
+def test_one_forward_teacher_forcing_matches_the_decode_core():
+    """``calibrate_force`` (every forced token in one forward) gives the decode core's step-by-step
+    next-token distributions over the same compressed caches, padded to different lengths in one batch."""
+    from vlkv.tools.calibrate_force import forced_logprobs
+    from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
+
+    model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
+    processor = load_processor(str(DEFAULT_MODEL_DIR))
+    p = prepare(model, processor, synthetic_task.make_examples(1, seed=5, split="train"), progress=False)[0]
+    caches = [compress(p, "snapkv", 0.1), compress(p, "vlcache", 0.05), compress(p, "pyramidkv", 0.02)]
+    assert len({tuple(c.layer_lengths) for c in caches}) == 3
+    ref = decode_batch(model, [compress(p, "full", 1.0)], 6, {processor.tokenizer.eos_token_id})[0]
+    steps: dict[int, list] = {i: [] for i in range(len(caches))}
+
+    def keep(rows, logits):
+        for r, i in enumerate(rows):
+            steps[i].append(torch.log_softmax(logits[r].float(), -1))
+
+    engine = InProcessEngine(model, pool_bytes=16 << 20, block_size=16)
+    engine.teacher_force(caches, len(ref), tokens=[ref] * len(caches), observe=keep)
+    got = dict(forced_logprobs(model, caches, [ref[:-1]] * len(caches)))
+    for i in range(len(caches)):
+        core = torch.stack(steps[i])
+        assert core.shape == got[i].shape == (len(ref) - 1, core.shape[1])
+        assert torch.equal(core.argmax(-1), got[i].argmax(-1))
+        torch.testing.assert_close(got[i], core, atol=2e-4, rtol=1e-4)
 
 
 def test_prompts_file_is_checked(tmp_path):

@@ -7,11 +7,15 @@ greedily for ``tokens`` tokens through the decode core (``InProcessEngine.teache
 tokens and next-token distributions. Then every candidate (``CANDIDATES``: registered options, the paper's
 preset, the current default) at every budget compresses that same prefill (its own statistics rows from
 the recorded Q and K, as the prefill worker computes them) and the reference tokens are teacher-forced
-through its compressed cache: **agreement** is the share of positions whose greedy token under the
+through its compressed cache, all of a prompt's distinct caches and forced tokens in one forward
+(``calibrate_force.py``: the decode step's layers and fp32 attention, not N decode steps): **agreement** is the share of positions whose greedy token under the
 compressed cache is the full cache's, **KL** the mean ``KL(p_full || p_compressed)`` over those positions
 (the prefill's own token is the same for every cache and is not counted). Per budget the candidate with the
-highest mean agreement wins, ties to the lower KL. Prompts are processed in chunks, each chunk's caches
+highest mean agreement wins, ties to the lower KL. Prompts are prefilled in chunks, each chunk's full caches
 decoded as one batch.
+
+Cost per 1K-token prompt on SmolLM2-135M (one CPU thread, fp32): the prefill ~3 s, the ~57 candidate caches'
+15 forced tokens ~3 s (matmul-bound), the statistics, compression and reference decode ~1.5 s.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, prepare
 from vlkv.tools.progress import progress as track
@@ -149,44 +154,39 @@ def measure_chunk(model, prepared, budgets, tokens: int, out: Calibration) -> No
     ref = _engine(model, full, tokens).teacher_force(full, tokens, observe=keep_ref)
     del full
     policies = [(label, policy_from_dict(d)) for label, d in CANDIDATES]
-    keys, caches, labels, slot, seen = (
-        [],
-        [],
-        [],
-        [],
-        {},
-    )  # keys[c]: cache c's prompt; slot[j]: label j's cache
     for i, p in enumerate(prepared):
-        for label, policy in policies:
+        caches, slot, seen = [], [], {}  # slot[j]: the cache of (candidate, budget) j
+        for _, policy in policies:
             for b in budgets:
                 stats = p.stats(policy.query_start(p.m, p.tau), THRESHOLD) if policy.requires_stats else None
                 cache = policy.compress(
                     stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
                 )
                 # two candidates that keep the same positions hold the same cache: decode it once
-                kept = (i, *(idx.cpu().numpy().tobytes() for idx in cache.kept_indices))
+                kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
                 if kept not in seen:
                     seen[kept] = len(caches)
                     caches.append(cache)
-                    keys.append(i)
                 slot.append(seen[kept])
-                labels.append((label, b))
-    sums = [[0.0, 0.0, 0] for _ in caches]
+        scores = _agreement(model, caches, ref[i], ref_logp[i])
+        keys = [(label, b) for label, _ in policies for b in budgets]
+        for key, c in zip(keys, slot, strict=True):
+            out.add(key, *scores[c])
 
-    def score(rows, logits):
-        logq = torch.log_softmax(logits.float(), -1).cpu()
-        greedy = logq.argmax(-1).tolist()
-        for r, c in enumerate(rows):
-            i, step = keys[c], sums[c][2]
-            logp = ref_logp[i][step]
-            sums[c][0] += float(greedy[r] == ref[i][step + 1])
-            sums[c][1] += float((logp.exp() * (logp - logq[r])).sum())
-            sums[c][2] += 1
 
-    _engine(model, caches, tokens).teacher_force(caches, tokens, tokens=[ref[i] for i in keys], observe=score)
-    for key, c in zip(labels, slot, strict=True):
-        agree, kl, n = sums[c]
-        out.add(key, agree / n if n else 1.0, kl / n if n else 0.0)
+def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """Per cache (agreement, mean KL) against the full cache's tokens ``ref`` and log-probabilities
+    ``ref_logp`` (``ref_logp[g]`` predicts ``ref[g + 1]``), the prefill's token ``ref[0]`` not counted."""
+    if len(ref) < 2:  # the prefill's token ended the answer: nothing to compare
+        return [(1.0, 0.0)] * len(caches)
+    logp = torch.stack(ref_logp[: len(ref) - 1])
+    target = torch.tensor(ref[1:])
+    out = [(1.0, 0.0)] * len(caches)
+    for c, logq in forced_logprobs(model, caches, [ref[:-1]] * len(caches)):
+        agree = float((logq.argmax(-1) == target).float().mean())
+        kl = float((logp.exp() * (logp - logq)).sum(-1).mean())
+        out[c] = (agree, kl)
+    return out
 
 
 def calibrate(

@@ -50,12 +50,12 @@ def test_real_members_are_scored_first_and_others_break_near_ties():
     labels = [CURRENT, "p", "q"]
     results = {
         "toy": _member({CURRENT: (0.5, 0.5), "p": (0.9, 0.9), "q": (0.2, 0.2)}),
-        "text": _member({CURRENT: (0.7, 0.7), "p": (0.6, 0.6), "q": (0.8, 0.8)}, real=True),
+        "text": _member({CURRENT: (0.6, 0.6), "p": (0.5, 0.5), "q": (0.8, 0.8)}, real=True),
     }
     # q is best on the real member, though worst on the toy
     assert choose(results, ["text", "toy"], labels, BUDGETS).label == "q"
-    # within TIE on the real member, the toy decides
-    results["text"] = _member({CURRENT: (0.8, 0.8), "p": (0.8, 0.8), "q": (0.8, 0.8)}, real=True)
+    # within two items of the real member's n (20: 0.1), the toy decides
+    results["text"] = _member({CURRENT: (0.6, 0.6), "p": (0.75, 0.75), "q": (0.8, 0.8)}, real=True)
     assert choose(results, ["text", "toy"], labels, BUDGETS).label == "p"
 
 

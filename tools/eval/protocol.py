@@ -8,7 +8,8 @@ run apart add up) and recomputes the choice without running a model:
   real-text tasks (SmolLM2) are scored first, the others second (``choose``).
 - **A candidate's score** on a set of members: per budget, the worst member's accuracy relative to its better
   oracle row, model-bound cells (better oracle < 0.9 of full) left out; averaged over the budgets.
-- **Choosing** (``choose``): the best score on the real members; among the candidates within ``TIE`` of it,
+- **Choosing** (``choose``): the best score on the real members; among the candidates within ``TIE`` of it
+  (1 point, or two items of the smallest real member's n when that is more: one item is 2 points at n = 50),
   the best score on the others; then the mean relative accuracy over every member that counts.
 - **Leave-one-member-out** (``lomo``): per member that counts, the choice on the *other* members' training
   splits, checked on the left-out member's held-out split against the current default: no budget (not
@@ -35,7 +36,10 @@ BUDGETS = (0.01, 0.02, 0.05, 0.10)
 CURRENT = "vlcache (defaults)"
 """The current default's row in ``--ablation`` runs (``DEFAULT_POLICY``'s label in the plain run)."""
 TIE = 0.01
-"""Scores on the real members within this of the best go on to the other members' score."""
+"""Scores on the real members within this of the best (or within ``TIE_ITEMS`` items of the smallest real
+member's n, when that is more) go on to the other members' score."""
+TIE_ITEMS = 2
+"""A difference of two items at n = 50 (4 points) is noise, not a choice."""
 MAX_DROP = 1.0
 """Accuracy points a choice may lose against the current default on a held-out member at a budget."""
 
@@ -141,8 +145,8 @@ def _key(x: float) -> float:
 
 
 def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
-    """The candidate with the best score on the real members of ``names``; among those within ``TIE`` of it,
-    the best on the others; then the best mean; then the table's order. With no real member, the others'
+    """The candidate with the best score on the real members of ``names``; among those within the tie of it
+    (``TIE``, ``TIE_ITEMS``), the best on the others; then the best mean; then the table's order. With no real member, the others'
     score comes first."""
     real = [n for n in names if is_real(n, results[n])]
     other = [n for n in names if n not in real]
@@ -157,7 +161,8 @@ def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
     ]
     if real:
         best = max(_key(s) for _, s, _, _ in rows)
-        pool = [row for row in rows if _key(row[1]) >= best - TIE - 1e-12]
+        tie = max(TIE, TIE_ITEMS / min(results[n].get("n") or 1 for n in real))
+        pool = [row for row in rows if _key(row[1]) >= best - tie - 1e-12]
     else:
         pool = rows
     ranked = sorted(pool, key=lambda t: (-_key(t[2]), -_key(t[3])))

@@ -169,3 +169,22 @@ def test_span_and_chunk_options_round_trip_and_keep_the_budget():
         kept = policy.select(scores, k, 40)
         assert kept.shape == (3, k) and all(len(set(row.tolist())) == k for row in kept)
         assert bool((kept[:, 1:] > kept[:, :-1]).all()) and int(kept.max()) < m
+
+
+def test_layer_share_keeps_in_every_layer_what_one_layer_looks_up():
+    m, k, layers = 60, 8, 3
+    col = [torch.rand(2, m, generator=torch.Generator().manual_seed(i)) * 0.1 for i in range(layers)]
+    col[2][:, 20] = 50.0  # only the last layer's window looks up position 20
+    stats = [_stats(c, 8) for c in col]
+    keys = [torch.zeros(1, m, 4)] * layers
+
+    def plan(**params):
+        policy = get_policy("snapkv", pool_kernel=1, **params)
+        return policy.plan(stats, keys, keys, alpha=k / m, m=m, tau=0)
+
+    own, shared = plan(), plan(layer_share=0.5)
+    assert [20 in p[0].tolist() for p in own] == [False, False, True]
+    assert all(20 in p[0].tolist() for p in shared)
+    assert all(p.shape == (1, k) and len(set(p[0].tolist())) == k for p in shared)  # the budget is exact
+    with pytest.raises(ValueError, match="layer_share"):
+        get_policy("vlcache", layer_share=1.5)

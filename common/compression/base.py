@@ -22,7 +22,15 @@ import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 
 from .allocators import Allocator, Uniform, allocator_class
-from .selection import TAU0_WINDOW, keep, post_vision_share, post_vision_start, recent_count, shape_scores
+from .selection import (
+    TAU0_WINDOW,
+    keep,
+    post_vision_share,
+    post_vision_start,
+    recent_count,
+    shape_scores,
+    share_layers,
+)
 from .serialize import fields_to_dict
 from .stats import AttentionStatsLike, kept_prompt_scores, num_query_rows, validate_stats
 
@@ -57,6 +65,9 @@ class Policy:
     and the GQA sum), so what follows an attended token is kept with it (0: off).
     chunk_size: the scored tokens are kept in whole chunks of this many consecutive positions, the chunks
     ranked by their summed score (ChunkKV; 1: token by token).
+    layer_share: each layer's scores, normalised to sum 1 per KV head, compete with this weight times the best
+    normalised score the token gets in any compressed layer and head (``selection.share_layers``): a token
+    the question looks up in some layers is kept in the others too (0: each layer on its own).
     """
 
     name: ClassVar[str] = "base"
@@ -75,13 +86,14 @@ class Policy:
     text_window: int = 0
     span_after: int = 0
     chunk_size: int = 1
+    layer_share: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.allocator, str):
             self.allocator = allocator_class(self.allocator)()  # ValueError for an unknown name
         if not isinstance(self.allocator, Allocator):
             raise ValueError(f"allocator must be an Allocator or a registered name, got {self.allocator!r}")
-        for name in ("recent_ratio", "post_vision_cap"):
+        for name in ("recent_ratio", "post_vision_cap", "layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("sink_tokens", "text_window", "span_after"):
@@ -159,6 +171,7 @@ class Policy:
             row_normalized=self.row_normalized,
             pool_kernel=self.pool_kernel,
             span_after=self.span_after,
+            sinks=self.sink_tokens,
         )
 
     def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
@@ -218,16 +231,21 @@ class Policy:
             if stats is not None:
                 validate_stats(stats[i], m, q0, i)
         budgets = self.allocate(stats, alpha, m, num_layers)
-        kept = []
+        scores: dict[int, torch.Tensor] = {}
         for i, (k_l, keys, values) in enumerate(zip(budgets, keys_per_layer, values_per_layer, strict=True)):
+            if k_l < m:
+                layer_stats = None if stats is None else stats[i]
+                scores[i] = self.score(i, layer_stats, keys, values, m, tau)
+                if scores[i].shape != (keys.shape[0], m):
+                    raise ValueError(f"{self.name}: scores {tuple(scores[i].shape)} are not [H_kv, m]")
+        if self.layer_share > 0 and scores:
+            scores = share_layers(scores, self.layer_share, self.sink_tokens)
+        kept = []
+        for i, (k_l, keys) in enumerate(zip(budgets, keys_per_layer, strict=True)):
             if k_l >= m:
                 kept.append(torch.arange(m, device=keys.device).repeat(keys.shape[0], 1))
-                continue
-            layer_stats = None if stats is None else stats[i]
-            scores = self.score(i, layer_stats, keys, values, m, tau)
-            if scores.shape != (keys.shape[0], m):
-                raise ValueError(f"{self.name}: scores {tuple(scores.shape)} are not [H_kv, m]")
-            kept.append(self.select(scores.to(keys.device), k_l, tau))
+            else:
+                kept.append(self.select(scores[i].to(keys.device), k_l, tau))
         return kept
 
     def compress(

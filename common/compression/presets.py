@@ -5,6 +5,13 @@ Algorithm 1's sparsity budgets, the post-vision rows as the scoring window and t
 (up to half a layer's budget, its last tokens), no pooling, and for a text-only prompt every row as
 post-vision (the paper's definition: tau = m). ``vlcache_default``: the ``vlcache`` policy as it is built
 with no options (the current default; its text-only handling included).
+
+``vlcache_lookup``: chosen on the real-text suite's training split (``needle`` on SmolLM2-135M-Instruct,
+README "Text-only prompts") for prompts whose answer is a fact looked up in a long context: each token
+also scores as the best of the 8 before it (``span_after``: the value travels with the name the question
+attends to), one layer's look-up competes in every layer (``layer_share``), the first 4 tokens kept as
+sinks, the question's best-scoring tokens kept (a quarter of the budget at most) with row-normalised
+scores, a 16-token observation window for text-only prompts, uniform layer budgets.
 """
 
 from __future__ import annotations
@@ -25,6 +32,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "text_window": 0,
     },
     "vlcache_default": {"policy": "vlcache"},
+    "vlcache_lookup": {
+        "policy": "vlcache",
+        "allocator": {"name": "uniform"},
+        "span_after": 8,
+        "layer_share": 1.0,
+        "sink_tokens": 4,
+        "post_vision_cap": 0.25,
+        "post_vision_by_score": True,
+        "row_normalized": True,
+        "text_window": 16,
+    },
 }
 
 

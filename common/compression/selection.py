@@ -57,12 +57,14 @@ def shape_scores(
     row_normalized: bool,
     pool_kernel: int,
     span_after: int = 0,
+    sinks: int = 0,
 ) -> torch.Tensor:
-    """``[H, m]`` column sums over ``tq`` query rows -> ``[H_kv, m]`` scores (see the module docstring)."""
+    """``[H, m]`` column sums over ``tq`` query rows -> ``[H_kv, m]`` scores (see the module docstring).
+    The first ``sinks`` positions (kept outright anyway) spread nothing forward."""
     col_sum = col_sum.float()
     if row_normalized:
         col_sum = col_sum / rows_seeing(m, tq, col_sum.device)
-    return spread_forward(group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads), span_after)
+    return spread_forward(group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads), span_after, sinks)
 
 
 SPAN_DECAY = 1e-4
@@ -70,15 +72,32 @@ SPAN_DECAY = 1e-4
 so the tokens nearest the attended one come first when a span does not fit whole."""
 
 
-def spread_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
+def spread_forward(scores: torch.Tensor, span: int, skip: int = 0) -> torch.Tensor:
     """``[H, m]`` -> ``[H, m]``: each position scores the best of itself and the ``span`` positions before it,
-    the one ``d`` back weighted ``1 - SPAN_DECAY * d`` (0: unchanged)."""
+    the one ``d`` back weighted ``1 - SPAN_DECAY * d`` (0: unchanged). The first ``skip`` positions (the
+    attention sinks, whose score is not about their content) spread nothing."""
     if span <= 0:
         return scores
+    source = scores.clone()
+    source[:, :skip] = -math.inf
     out = scores.clone()
     for d in range(1, min(span, scores.shape[-1] - 1) + 1):
-        out[:, d:] = torch.maximum(out[:, d:], scores[:, :-d] * (1.0 - SPAN_DECAY * d))
+        out[:, d:] = torch.maximum(out[:, d:], source[:, :-d] * (1.0 - SPAN_DECAY * d))
     return out
+
+
+def share_layers(scores: dict[int, torch.Tensor], weight: float, sinks: int = 0) -> dict[int, torch.Tensor]:
+    """Per layer ``[H_kv, m]`` scores -> ``max(own, weight * shared)``: every head's scores normalised to sum 1
+    (NaN as 0; the first ``sinks`` positions, kept outright, left out as 0), ``shared`` the best normalised
+    score each position gets in any layer and head given. A token one layer's window looks up competes in
+    every layer."""
+    norm = {}
+    for layer, s in scores.items():
+        s = s.float().nan_to_num(nan=0.0).clamp_min(0.0)
+        s[:, :sinks] = 0.0
+        norm[layer] = s / s.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    shared = torch.stack([s.amax(dim=0) for s in norm.values()]).amax(dim=0)  # [m]
+    return {layer: torch.maximum(s, weight * shared.to(s.device)) for layer, s in norm.items()}
 
 
 def chunk_keys(scores: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -98,11 +117,11 @@ def _top(scores: torch.Tensor, end: int, count: int, sinks: int, chunk: int = 1)
     fit), then the top scores (``chunk > 1``: the best chunks, ``chunk_keys``)."""
     if sinks and count <= min(sinks, end):
         return torch.arange(count, device=scores.device).expand(scores.shape[0], count)
-    scores = scores[:, :end]
-    if chunk > 1:
+    scores = scores[:, :end].clone()
+    if chunk > 1:  # the sinks, kept anyway, do not lift their chunk
+        scores[:, :sinks] = 0.0
         scores = chunk_keys(scores, chunk)
     if sinks:  # every sink wins the top-k below
-        scores = scores.clone()
         scores[:, :sinks] = math.inf
     return scores.topk(count, dim=-1).indices
 

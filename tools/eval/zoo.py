@@ -58,6 +58,7 @@ ABLATION = (
     ("sinks: first 4 tokens", "vlcache", {"sink_tokens": 4}),
     ("scores spread 8 tokens forward", "vlcache", {"span_after": 8}),
     ("chunks of 10 tokens (ChunkKV)", "vlcache", {"chunk_size": 10}),
+    ("preset vlcache_lookup (spans, shared layers, sinks)", "vlcache", preset_params("vlcache_lookup")),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

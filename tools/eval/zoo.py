@@ -47,6 +47,7 @@ PREVIOUS_DEFAULT = preset_params("vlcache_paper")
 """vlcache's settings before the zoo (#30), the paper's own (``common/compression/presets.py``): the
 protocol's "before" row."""
 PREVIOUS_LABEL = "vlcache before the zoo"
+_PYRAMID4 = {"allocator": {"name": "pyramid", "beta": 4.0}}
 ABLATION = (
     ("vlcache (defaults)", "vlcache", {}),
     (PREVIOUS_LABEL, "vlcache", PREVIOUS_DEFAULT),
@@ -56,9 +57,9 @@ ABLATION = (
     ("scores not pooled", "vlcache", {"pool_kernel": 1}),
     ("scores max-pooled over 7", "vlcache", {"pool_kernel": 7}),
     ("sinks: first 4 tokens", "vlcache", {"sink_tokens": 4}),
-    ("scores spread 8 tokens forward", "vlcache", {"span_after": 8}),
     ("chunks of 10 tokens (ChunkKV)", "vlcache", {"chunk_size": 10}),
     ("preset vlcache_lookup (spans, shared layers, sinks)", "vlcache", preset_params("vlcache_lookup")),
+    ("vlcache_lookup, vlcache's pyramid budgets", "vlcache", preset_params("vlcache_lookup") | _PYRAMID4),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

@@ -188,3 +188,33 @@ def test_layer_share_keeps_in_every_layer_what_one_layer_looks_up():
     assert all(p.shape == (1, k) and len(set(p[0].tolist())) == k for p in shared)  # the budget is exact
     with pytest.raises(ValueError, match="layer_share"):
         get_policy("vlcache", layer_share=1.5)
+
+
+def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone():
+    from vlkv.common.compression import policy_from_dict, preset
+
+    m, layers = 120, 3
+    policy, plain, lookup = (
+        get_policy("vlcache", text_preset="vlcache_text"),
+        get_policy("vlcache"),
+        preset("vlcache_text"),
+    )
+    assert policy.query_start(m, m) == lookup.query_start(m, m) == m - 16 != plain.query_start(m, m)
+    assert policy.query_start(m, 20) == plain.query_start(m, 20) == m - 20
+    gen = torch.Generator().manual_seed(3)
+    keys = [torch.randn(2, m, 4, generator=gen) for _ in range(layers)]
+    for tau, twin in ((m, lookup), (20, plain)):
+        stats = [_stats(torch.rand(4, m, generator=gen), m - twin.query_start(m, tau)) for _ in range(layers)]
+        ours = policy.compress(stats, keys, keys, alpha=0.2, m=m, tau=tau)
+        theirs = twin.compress(stats, keys, keys, alpha=0.2, m=m, tau=tau)
+        assert all(torch.equal(a, b) for a, b in zip(ours.kept_indices, theirs.kept_indices, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(ours.prompt_scores, theirs.prompt_scores, strict=True))
+    assert policy_from_dict(policy.to_dict()) == policy
+    for bad, message in (
+        ({"text_preset": "nope"}, "unknown compression preset"),
+        ({"text_preset": 1}, "str"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            policy_from_dict({"policy": "vlcache", **bad})
+    with pytest.raises(ValueError, match="query rows"):
+        get_policy("snapkv", text_preset="vlcache_lookup")

@@ -68,6 +68,9 @@ class Policy:
     layer_share: each layer's scores, normalised to sum 1 per KV head, compete with this weight times the best
     normalised score the token gets in any compressed layer and head (``selection.share_layers``): a token
     the question looks up in some layers is kept in the others too (0: each layer on its own).
+    text_preset: a preset (``presets.py``) that compresses text-only prompts (no vision token, tau >= m) in
+    this policy's place, its statistics rows included ("": this policy compresses every prompt; only for
+    policies that keep the base ``query_start``, as ``vlcache`` does).
     """
 
     name: ClassVar[str] = "base"
@@ -87,6 +90,7 @@ class Policy:
     span_after: int = 0
     chunk_size: int = 1
     layer_share: float = 0.0
+    text_preset: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.allocator, str):
@@ -103,6 +107,9 @@ class Policy:
             raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.text_preset and type(self).query_start is not Policy.query_start:
+            raise ValueError(f"text_preset needs the base query rows; {self.name} chooses its own")
+        self.text_policy()  # ValueError for an unknown or nested preset
         if self.post_vision_slope < 0:
             raise ValueError(f"post_vision_slope must be >= 0, got {self.post_vision_slope}")
 
@@ -121,8 +128,29 @@ class Policy:
 
     @property
     def requires_stats(self) -> bool:
-        """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget."""
-        return not self.always_full and (self.scores_need_stats or self.allocator.needs_stats)
+        """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget (for some
+        prompt: its ``text_preset``'s included)."""
+        text = self.text_policy()
+        own = not self.always_full and (self.scores_need_stats or self.allocator.needs_stats)
+        return own or (text is not None and text.requires_stats)
+
+    def text_policy(self) -> Policy | None:
+        """The policy of ``text_preset`` (None when unset); ValueError for an unknown preset or one that sets
+        its own ``text_preset``."""
+        if not self.text_preset:
+            return None
+        from .presets import preset  # presets.py builds policies from this module
+
+        policy = preset(self.text_preset)
+        if policy.text_preset:
+            raise ValueError(f"text_preset {self.text_preset!r} sets a text_preset of its own")
+        return policy
+
+    def for_prompt(self, m: int, tau: int) -> Policy:
+        """The policy that compresses a prompt of ``m`` tokens with ``tau`` post-vision ones: the
+        ``text_preset``'s for a text-only prompt (``tau >= m``) when set, else this one."""
+        text = self.text_policy() if tau >= m else None
+        return self if text is None else text
 
     def observed_tau(self, m: int, tau: int) -> int:
         """The post-vision length the policy works with: ``tau``, or ``min(m, text_window)`` for a prompt with
@@ -131,7 +159,10 @@ class Policy:
 
     def query_start(self, m: int, tau: int) -> int:
         """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision
-        (for a text-only prompt, the last ``text_window`` rows when set)."""
+        (for a text-only prompt, the last ``text_window`` rows when set; ``text_preset``'s own rows)."""
+        policy = self.for_prompt(m, tau)
+        if policy is not self:
+            return policy.query_start(m, tau)
         return post_vision_start(m, self.observed_tau(m, tau))
 
     def allocate(
@@ -216,8 +247,12 @@ class Policy:
     ) -> list[torch.Tensor]:
         """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``.
 
-        Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``.
+        Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``. A text-only prompt goes
+        to ``text_preset``'s policy when set.
         """
+        policy = self.for_prompt(m, tau)
+        if policy is not self:
+            return policy.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
         num_layers = len(keys_per_layer)
         if len(values_per_layer) != num_layers:
             raise ValueError("keys and values must have one tensor per layer")
@@ -268,8 +303,9 @@ class Policy:
         """
         kept = self.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
         scores = None
-        if self.requires_stats and not self.is_full(alpha):  # plan checked the statistics
-            rows = m - self.query_start(m, tau)
+        active = self.for_prompt(m, tau)
+        if active.requires_stats and not active.is_full(alpha):  # plan checked the statistics
+            rows = m - active.query_start(m, tau)
             scores = [kept_prompt_scores(s, idx, rows) for s, idx in zip(stats_per_layer, kept, strict=True)]
         out_k, out_v = [], []
         for idx, keys, values in zip(kept, keys_per_layer, values_per_layer, strict=True):

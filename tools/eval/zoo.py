@@ -47,7 +47,6 @@ PREVIOUS_DEFAULT = preset_params("vlcache_paper")
 """vlcache's settings before the zoo (#30), the paper's own (``common/compression/presets.py``): the
 protocol's "before" row."""
 PREVIOUS_LABEL = "vlcache before the zoo"
-_PYRAMID4 = {"allocator": {"name": "pyramid", "beta": 4.0}}
 ABLATION = (
     ("vlcache (defaults)", "vlcache", {}),
     (PREVIOUS_LABEL, "vlcache", PREVIOUS_DEFAULT),
@@ -59,7 +58,7 @@ ABLATION = (
     ("sinks: first 4 tokens", "vlcache", {"sink_tokens": 4}),
     ("chunks of 10 tokens (ChunkKV)", "vlcache", {"chunk_size": 10}),
     ("preset vlcache_lookup (spans, shared layers, sinks)", "vlcache", preset_params("vlcache_lookup")),
-    ("vlcache_lookup, vlcache's pyramid budgets", "vlcache", preset_params("vlcache_lookup") | _PYRAMID4),
+    ("text-only prompts: preset vlcache_text", "vlcache", {"text_preset": "vlcache_text"}),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

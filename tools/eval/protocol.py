@@ -256,8 +256,11 @@ def decide(train: dict, heldout: dict, budgets=BUDGETS) -> Decision:
     return Decision(choice, folds, current, checks, not reasons, reasons)
 
 
-def _points(diffs) -> str:
-    return " / ".join("-" if d is None else f"{d:+.1f}" for d in diffs)
+def _points(diffs, bound=None) -> str:
+    marks = bound or [False] * len(diffs)
+    return " / ".join(
+        "-" if d is None else f"{d:+.1f}{'*' if b else ''}" for d, b in zip(diffs, marks, strict=True)
+    )
 
 
 def _acc(xs) -> str:
@@ -285,7 +288,8 @@ def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGET
         md.append(f"| {label}{mark} | {a:.3f} | {b:.3f} | {c:.3f} |")
     md += [
         "",
-        f"## Leave-one-member-out (held-out, {pct}; points against `{d.current}`; fails below -{MAX_DROP:g})",
+        f"## Leave-one-member-out (held-out, {pct}; points against `{d.current}`; fails below -{MAX_DROP:g}; "
+        "`*`: model-bound, not checked)",
         "",
         "| left out | choice on the others | choice held-out | current held-out | points | holds |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -294,12 +298,17 @@ def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGET
         mine = f.accuracy.get(f.choice, [None] * len(budgets))
         base = f.accuracy.get(d.current, [None] * len(budgets))
         ok = "yes" if f.holds else ("not measured" if not f.measured else "no")
-        md.append(f"| {f.left_out} | {f.choice} | {_acc(mine)} | {_acc(base)} | {_points(f.diffs)} | {ok} |")
+        r = heldout.get(f.left_out, {"rows": {}})
+        bound = [bool(r.get("rows")) and model_bound(r, b) for b in budgets]
+        diffs = drops(r, f.choice, d.current, budgets, every_budget=True) if f.measured else f.diffs
+        md.append(
+            f"| {f.left_out} | {f.choice} | {_acc(mine)} | {_acc(base)} | {_points(diffs, bound)} | {ok} |"
+        )
     md += [
         "",
         f"## Held-out: `{d.choice.label}` against `{d.current}` ({pct})",
         "",
-        "| member | current | choice | points |",
+        "| member | current | choice | points (`*`: model-bound, not checked unless real) |",
         "| --- | --- | --- | --- |",
     ]
     for name, r in heldout.items():
@@ -312,10 +321,10 @@ def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGET
         cur = [rows[d.current].get(str(b)) for b in budgets]
         new = [rows.get(d.choice.label, {}).get(str(b)) for b in budgets]
         diffs = drops(r, d.choice.label, d.current, budgets, every_budget=True)
-        bound = "".join("*" if model_bound(r, b) else "" for b in budgets)
+        bound = [model_bound(r, b) for b in budgets]
         md.append(
             f"| {name}{mark} (n={r.get('n')}, full {r.get('full', 0):.3f}) | {_acc(cur)} | {_acc(new)} | "
-            f"{_points(diffs)}{' (model-bound: ' + str(len(bound)) + ')' if bound else ''} |"
+            f"{_points(diffs, bound)} |"
         )
     verdict = "**adopted**" if d.adopted else "**not adopted**: " + "; ".join(d.reasons)
     return md + ["", f"Choice on every member: `{d.choice.label}`; {verdict}.", ""]

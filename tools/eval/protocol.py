@@ -5,12 +5,12 @@
 run apart add up) and recomputes the choice without running a model:
 
 - **Members that count**: not eviction-trained, not a dropped text task. The real-decoder members and the
-  real-text tasks (SmolLM2) are scored first, the others second (``choose``).
+  real-text tasks (SmolLM2) come first, the others second (``choose``).
 - **A candidate's score** on a set of members: per budget, the worst member's accuracy relative to its better
   oracle row, model-bound cells (better oracle < 0.9 of full) left out; averaged over the budgets.
-- **Choosing** (``choose``): the best score on the real members; among the candidates within ``TIE`` of it
-  (1 point, or two items of the smallest real member's n when that is more: one item is 2 points at n = 50),
-  the best score on the others; then the mean relative accuracy over every member that counts.
+- **Choosing** (``choose``): the best score on every member that counts; among the candidates within ``TIE``
+  of it (1 point, or two items of the smallest n when that is more: one item is 2 points at n = 50), the best
+  score on the real members, then on the others, then the mean relative accuracy over every member.
 - **Leave-one-member-out** (``lomo``): per member that counts, the choice on the *other* members' training
   splits, checked on the left-out member's held-out split against the current default: no budget (not
   model-bound) more than ``MAX_DROP`` points below it.
@@ -137,7 +137,7 @@ def candidates(results: dict) -> list[str]:
 @dataclass
 class Choice:
     label: str
-    table: list[tuple[str, float, float, float]]  # (candidate, real score, other score, mean) best first
+    table: list[tuple[str, float, float, float, float]]  # (candidate, every member, real, others, mean)
 
 
 def _key(x: float) -> float:
@@ -145,28 +145,26 @@ def _key(x: float) -> float:
 
 
 def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
-    """The candidate with the best score on the real members of ``names``; among those within the tie of it
-    (``TIE``, ``TIE_ITEMS``), the best on the others; then the best mean; then the table's order. With no real member, the others'
-    score comes first."""
+    """The candidate with the best score on every member of ``names`` (the worst member's); among those within
+    the tie of it (``TIE``, or ``TIE_ITEMS`` items of the smallest n when that is more), the best score on the
+    real members, then on the others, then the best mean; then the table's order."""
     real = [n for n in names if is_real(n, results[n])]
     other = [n for n in names if n not in real]
     rows = [
         (
             x,
+            score(results, x, names, budgets),
             score(results, x, real, budgets),
             score(results, x, other, budgets),
             mean_relative(results, x, names, budgets),
         )
         for x in labels
     ]
-    if real:
-        best = max(_key(s) for _, s, _, _ in rows)
-        tie = max(TIE, TIE_ITEMS / min(results[n].get("n") or 1 for n in real))
-        pool = [row for row in rows if _key(row[1]) >= best - tie - 1e-12]
-    else:
-        pool = rows
-    ranked = sorted(pool, key=lambda t: (-_key(t[2]), -_key(t[3])))
-    rest = sorted((r for r in rows if r not in pool), key=lambda t: (-_key(t[1]), -_key(t[2]), -_key(t[3])))
+    best = max(_key(row[1]) for row in rows)
+    tie = max(TIE, TIE_ITEMS / min(results[n].get("n") or 1 for n in names))
+    pool = [row for row in rows if _key(row[1]) >= best - tie - 1e-12]
+    ranked = sorted(pool, key=lambda t: tuple(-_key(v) for v in t[2:]))
+    rest = sorted((r for r in rows if r not in pool), key=lambda t: tuple(-_key(v) for v in t[1:]))
     return Choice(ranked[0][0], ranked + rest)
 
 
@@ -280,12 +278,12 @@ def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGET
         "",
         "## Scores on the training splits (every member that counts)",
         "",
-        "| candidate | real members (decoder, text) | the others | mean over members |",
-        "| --- | --- | --- | --- |",
+        "| candidate | score (every member) | real members (decoder, text) | the others | mean over members |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    for label, a, b, c in d.choice.table:
+    for label, w, a, b, c in d.choice.table:
         mark = " (chosen)" if label == d.choice.label else (" (current)" if label == d.current else "")
-        md.append(f"| {label}{mark} | {a:.3f} | {b:.3f} | {c:.3f} |")
+        md.append(f"| {label}{mark} | {w:.3f} | {a:.3f} | {b:.3f} | {c:.3f} |")
     md += [
         "",
         f"## Leave-one-member-out (held-out, {pct}; points against `{d.current}`; fails below -{MAX_DROP:g}; "

@@ -9,7 +9,8 @@ budgets and at its own). ``text`` (in ``--members``, and in the default run) add
 SmolLM2-135M-Instruct (``zoo_text.py``; ``--text-n``, ``--text-lengths``, ``--text-tasks``). ``--api`` then
 asks every question again through a local gateway and workers (real gRPC) with the default policy at each
 budget and counts the answers that differ from the in-process ones. ``--ablation`` swaps the table's rows for
-vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``).
+vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``;
+``--rows`` runs some of them; ``vlkv eval --protocol`` reads the JSON files, ``protocol.py``).
 
 Tables (``zoo_report.py``): n and a 95% Wilson interval per figure; eviction-trained members and model-bound
 cells (the better oracle < 0.9 of full) marked and left out of the worst member, the ranking and the

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from vlkv.tools.task.synthetic_task import Example
 from vlkv.tools.zoo import smol_codes, smol_objects
-from vlkv.tools.zoo.smol_lm import LoraSpec, merge_lora, run_layers
-from vlkv.tools.zoo.smol_vision import BACKGROUND_WORD, GEOM, draw_object, patch_words
+from vlkv.tools.zoo.smol_lm import LoraSpec, answer_logits, merge_lora, pack, run_layers
+from vlkv.tools.zoo.smol_vision import BACKGROUND_WORD, GEOM, VisionParts, draw_object, patch_words
 
 
 def _tiny(seed: int = 0) -> LlamaForCausalLM:
@@ -30,18 +30,49 @@ def _tiny(seed: int = 0) -> LlamaForCausalLM:
 def test_split_layer_run_equals_the_models_causal_forward():
     model = _tiny()
     ids = torch.randint(0, 64, (1, 23))
+    single = pack([ids[0]], [[5]], image_id=63)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        hidden = run_layers(model, model.model.embed_tokens(ids), 0, 3)
-        out = model.lm_head(model.model.norm(run_layers(model, hidden, 3, 4)))
+        hidden = run_layers(model, model.model.embed_tokens(ids), 0, 3, single)
+        out = model.lm_head(model.model.norm(run_layers(model, hidden, 3, 4, single)))
     assert torch.allclose(ref, out, atol=1e-5)
     with torch.no_grad():  # causal: a later token does not change earlier positions
         changed = ids.clone()
         changed[0, -1] = (changed[0, -1] + 1) % 64
-        other = model.lm_head(model.model.norm(run_layers(model, model.model.embed_tokens(changed), 0, 4)))
+        other = model.lm_head(
+            model.model.norm(run_layers(model, model.model.embed_tokens(changed), 0, 4, single))
+        )
     assert torch.allclose(out[0, :-1], other[0, :-1], atol=1e-6) and not torch.allclose(
         out[0, -1], other[0, -1]
     )
+
+
+def test_a_packed_scene_gives_each_question_the_logits_of_its_own_prompt():
+    model = _tiny()
+    prefix = torch.randint(0, 60, (19,))
+    prefix[[3, 4, 5]] = 63  # "image" tokens: in the shared prefix
+    prompts = [torch.cat([prefix, torch.randint(0, 60, (n,))]) for n in (4, 6, 3)]
+    answers = [[7, 8], [9, 10, 11], [12]]
+    packed = pack(prompts, answers, image_id=63)
+    assert packed.ids.shape[1] == 19 + (4 + 1) + (6 + 2) + (3 + 0)  # the prefix once, answers teacher-forced
+    with torch.no_grad():
+        got = answer_logits(
+            model, run_layers(model, model.model.embed_tokens(packed.ids), 0, 4, packed), packed
+        )
+        for prompt, answer, logits in zip(prompts, answers, got, strict=True):
+            ids = torch.cat([prompt, torch.tensor(answer[:-1], dtype=torch.long)])[None]
+            ref = model(input_ids=ids).logits[0, len(prompt) - 1 :]
+            assert torch.allclose(logits, ref, atol=1e-5)
+    late = [torch.cat([prefix, torch.tensor([63, 1])]), torch.cat([prefix, torch.tensor([2, 3])])]
+    with pytest.raises(ValueError, match="prefix"):
+        pack(late, [[1], [2]], image_id=63)  # an image token after the shared prefix
+
+
+def test_vision_parts_leave_the_decoders_attention_implementation_alone():
+    model = _tiny()
+    model.set_attn_implementation("sdpa")
+    VisionParts(model.config)  # LlavaConfig resets a text config it is given: it gets a copy
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_merge_lora_equals_peft_merge_and_reports_the_relative_change():
@@ -134,3 +165,15 @@ def test_codes_need_the_image_and_the_text():
         assert sum(obj.colour in x or obj.shape in x for x in lines) == 8  # 7 near misses beside it
         other = next(x for x in lines[1:-1] if x is not line).split()[5].rstrip(".")
         assert not smol_codes.MEMBER.is_correct(other, ex)
+
+
+def test_objects_training_variants_ask_every_question_of_the_same_scene():
+    ex = smol_objects.make_example(7, split="train")
+    group = smol_objects.variants(ex)
+    objs = [image[0] for image in ex.objects]
+    assert len(group) == 2 * len(objs) and len({(g.question, g.answer) for g in group}) == len(group)
+    assert (ex.question, ex.answer) in {(g.question, g.answer) for g in group}
+    for g in group:
+        assert g.images is ex.images and smol_objects.MEMBER.is_correct(g.answer, g)
+        ((_, obj),) = g.focus
+        assert g.answer == (obj.colour if g.kind == "colour_of_shape" else obj.shape)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
-from vlkv.tools.zoo.smol_training import VISION_FILE, shipped_dir, smol_member, train_member
+from vlkv.tools.zoo.smol_training import smol_member, train_member
 from vlkv.tools.zoo.smol_vision import draw_object
 
 NAME = "smol_codes"
@@ -33,13 +33,7 @@ KINDS = ("code_of_object",)
 HEADER = "Here is the catalogue of all objects and their codes:"
 LINE = "The {colour} {shape} has code {code}. It is kept on shelf {shelf} in room {room}."
 QUESTION = "What is the code of the object in the image?"
-RECIPE = {
-    "vision_from": str(shipped_dir("smol_objects") / VISION_FILE),  # smol_objects' aligned tower + projector
-    "pool": 32,
-    "epochs": 3,
-    "first": 22,
-    "lr": 1e-3,
-}
+RECIPE = {"align_steps": 200, "steps": 140, "batch": 4, "first": 14, "lr": 1e-3, "check_every": 35}
 """``smol_training``'s defaults for this member (the training command takes no other flag than ``--out``)."""
 
 
@@ -75,4 +69,4 @@ MEMBER = smol_member(
 make_examples = MEMBER.make_examples
 
 if __name__ == "__main__":
-    train_member(MEMBER, RECIPE)
+    train_member(MEMBER, make_example, RECIPE)

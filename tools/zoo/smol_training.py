@@ -1,12 +1,15 @@
 """One training command for the real-decoder members (``smol_objects``, ``smol_codes``), and their assembly.
 
-``python -m vlkv.tools.zoo.<member> --out DIR`` (deterministic from ``--seed``; 2 threads by default):
+``python -m vlkv.tools.zoo.<member> [--out DIR]`` (deterministic from ``--seed``; 1 thread by default; the
+member's ``RECIPE`` sets the other flags' defaults):
 
 1. **Align** (``smol_vision.align``, no decoder forward): a tiny CLIP tower + LLaVA's projector learn to put
    each vision token on the decoder's input embedding of the word describing its patch.
-2. **Adapt** (``smol_lm``): with the vision parts frozen, ``--pool`` training prompts' hidden states
-   entering layer ``--first`` are computed once; LoRA adapters (rank 8) on layers ``--first``..29 train on
-   them for ``--epochs`` epochs (loss on the answer tokens only).
+2. **Adapt** (``smol_lm``): with the vision parts frozen, LoRA adapters (rank 8) on layers ``--first``..29
+   train for ``--steps`` steps of ``--batch`` fresh training scenes (each drawn once, every question it
+   supports packed into one sequence by the member's ``variants``; loss on the answer tokens only; layers
+   below ``--first`` forward only). Every ``--check-every`` steps the log shows the teacher-forced argmax
+   accuracy on ``--check-n`` unseen training-split scenes (never the held-out split).
 3. **Evaluate**: the checkpoint assembled exactly as at set-up (``assemble``: SmolLM2 from the GGUF, the
    trained parts, the adapters merged, bfloat16), greedy ``generate`` on ``--eval-n`` held-out examples.
 4. **Write** ``DIR/vision.safetensors`` (tower + projector, float32), ``DIR/lora.safetensors`` (float16)
@@ -29,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from vlkv.tools.task.tiny_llava import build_processor
 from vlkv.tools.zoo import smollm2
 from vlkv.tools.zoo.interface import Member
-from vlkv.tools.zoo.smol_lm import LoraSpec, cache_prompt, lora_state, merge_lora, train_lora
+from vlkv.tools.zoo.smol_lm import LoraSpec, lora_state, merge_lora, pack, packed_loss, train_lora
 from vlkv.tools.zoo.smol_vision import GEOM, VisionParts, align, vision_config
 from vlkv.tools.zoo.trainer import set_determinism
 
@@ -38,6 +41,7 @@ VISION_FILE = "vision.safetensors"
 LORA_FILE = "lora.safetensors"
 RECORD_FILE = "TRAINING.json"
 END = "<|im_end|>"
+CHECK_FROM = 1_000_000  # validation scenes: training-split indices no run of this size draws
 
 
 def text_side(tokenizer):
@@ -126,19 +130,22 @@ def evaluate(model, processor, member: Member, n: int, seed: int = 0, log=print)
     return {"n": n, "right": right, "accuracy": right / max(1, n)}
 
 
-def train_member(member: Member, recipe: dict, argv: list[str] | None = None) -> dict:
+def train_member(
+    member: Member, make_example, recipe: dict, argv: list[str] | None = None, *, variants=lambda ex: [ex]
+) -> dict:
     """The member's training command (``recipe``: its defaults for the flags below)."""
     p = argparse.ArgumentParser(description=f"train zoo member {member.name}: {__doc__.splitlines()[0]}")
     p.add_argument("--out", default=str(shipped_dir(member.name)))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--align-steps", type=int, default=recipe.get("align_steps", 150))
-    p.add_argument("--pool", type=int, default=recipe.get("pool", 64))
-    p.add_argument("--epochs", type=int, default=recipe.get("epochs", 3))
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=recipe.get("steps", 200))
+    p.add_argument("--batch", type=int, default=recipe.get("batch", 4))
     p.add_argument("--first", type=int, default=recipe.get("first", 20))
     p.add_argument("--lr", type=float, default=recipe.get("lr", 1e-3))
-    p.add_argument("--eval-n", type=int, default=20)
+    p.add_argument("--eval-n", type=int, default=40)
+    p.add_argument("--check-n", type=int, default=16, help="validation scenes (unseen, training split)")
+    p.add_argument("--check-every", type=int, default=recipe.get("check_every", 25))
     p.add_argument(
         "--vision-from", default=recipe.get("vision_from"), help="reuse these aligned vision parts"
     )
@@ -175,17 +182,39 @@ def train_member(member: Member, recipe: dict, argv: list[str] | None = None) ->
     spec = LoraSpec(first=args.first)
     decoder = decoder.to(torch.bfloat16)  # the served precision; the adapters train in float32
     parts.to(torch.bfloat16)
-    pool = []
-    for i, ex in enumerate(member.make_examples(args.pool, seed=args.seed, split="train")):
-        answer = tokenizer(ex.answer + END, add_special_tokens=False)["input_ids"]
-        pool.append(cache_prompt(decoder, parts, encode(processor, ex), answer, image_id, spec.first))
-        if (i + 1) % 16 == 0:
-            log(f"cached {i + 1}/{args.pool} prompts")
-    parts.float()
-    t_cache = time.time()
+
+    def draw(index: int, split: str = "train", variants=variants):
+        example = make_example(index, args.seed, split)
+        group = variants(example)
+        prompts = [encode(processor, ex) for ex in group]
+        answers = [tokenizer(ex.answer + END, add_special_tokens=False)["input_ids"] for ex in group]
+        packed = pack([p["input_ids"][0] for p in prompts], answers, image_id)
+        packed.pixel_values = prompts[0]["pixel_values"].to(torch.bfloat16)
+        return packed
+
+    def check(model) -> float:  # unseen training-split scenes, one question each: teacher-forced argmax
+        with torch.no_grad():
+            fits = [
+                packed_loss(model, parts, draw(CHECK_FROM + i, variants=lambda ex: [ex]), image_id, 0)[1]
+                for i in range(args.check_n)
+            ]
+        return sum(fits) / max(1, len(fits))
+
     peft_model = train_lora(
-        decoder, pool, spec, epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, log=log
+        decoder,
+        parts,
+        draw,
+        spec,
+        image_id=image_id,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+        check=check if args.check_n else None,
+        check_every=args.check_every,
+        log=log,
     )
+    parts.float()
     adapters = lora_state(peft_model)
     t_lora = time.time()
     save_file(adapters, str(out / LORA_FILE))
@@ -201,20 +230,18 @@ def train_member(member: Member, recipe: dict, argv: list[str] | None = None) ->
             "alpha": spec.alpha,
             "scale": spec.scale,
             "layers": [spec.first, 29],
-            "pool": args.pool,
-            "epochs": args.epochs,
+            "scenes": args.steps * args.batch,
             "batch": args.batch,
             "lr": args.lr,
-            "steps": args.epochs * (args.pool // args.batch),
+            "steps": args.steps,
         },
         "wall_s": {
             "align": round(t_align - t0),
-            "cache": round(t_cache - t_align),
-            "lora": round(t_lora - t_cache),
+            "lora": round(t_lora - t_align),
         },
     }
     (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    del peft_model, decoder, pool
+    del peft_model, decoder
     model, processor, change = build(out)
     record["lora"]["relative_weight_change"] = change
     model = model.to(torch.bfloat16)

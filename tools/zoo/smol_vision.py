@@ -16,6 +16,7 @@ and not between two. A pretrained decoder then reads the image as text it knows.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -55,9 +56,9 @@ class VisionParts(nn.Module):
     def __init__(self, text_config, vconfig: CLIPVisionConfig | None = None):
         super().__init__()
         vconfig = vconfig or vision_config()
-        llava = LlavaConfig(
+        llava = LlavaConfig(  # a copy: LlavaConfig resets the text config's attention implementation
             vision_config=vconfig,
-            text_config=text_config,
+            text_config=copy.deepcopy(text_config),
             projector_hidden_act="gelu",
             vision_feature_select_strategy="default",
             vision_feature_layer=-1,

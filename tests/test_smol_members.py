@@ -177,3 +177,17 @@ def test_objects_training_variants_ask_every_question_of_the_same_scene():
         assert g.images is ex.images and smol_objects.MEMBER.is_correct(g.answer, g)
         ((_, obj),) = g.focus
         assert g.answer == (obj.colour if g.kind == "colour_of_shape" else obj.shape)
+
+
+def test_codes_training_variants_look_up_the_object_and_its_near_misses_by_name():
+    ex = smol_codes.make_example(3, split="train")
+    ((_, obj),) = ex.focus
+    first, *named = smol_codes.variants(ex)
+    assert first is ex and len(named) == 8
+    for g in named:
+        colour, shape = (
+            g.question.splitlines()[-1].removeprefix("What is the code of the ").rstrip("?").split()
+        )
+        assert colour == obj.colour or shape == obj.shape
+        assert f"The {colour} {shape} has code {g.answer}." in g.question and g.images is ex.images
+    assert sum(g.answer == ex.answer for g in named) == 1

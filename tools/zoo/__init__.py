@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vlkv.tools.zoo.interface import Member
 
-MEMBERS = ("default", "grid16", "longprompt", "next_anyres", "deep8")
+MEMBERS = ("default", "grid16", "longprompt", "next_anyres", "deep8", "smol_objects")
 """Every member, the default model first."""
 
 

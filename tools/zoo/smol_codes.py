@@ -18,6 +18,7 @@ Training: ``python -m vlkv.tools.zoo.smol_codes --out tools/zoo/models/smol_code
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from vlkv.tools.task.synthetic_task import COLOURS, SHAPES, Example
 from vlkv.tools.zoo.smol_training import smol_member, train_member
@@ -33,7 +34,7 @@ KINDS = ("code_of_object",)
 HEADER = "Here is the catalogue of all objects and their codes:"
 LINE = "The {colour} {shape} has code {code}. It is kept on shelf {shelf} in room {room}."
 QUESTION = "What is the code of the object in the image?"
-RECIPE = {"align_steps": 200, "steps": 140, "batch": 4, "first": 14, "lr": 1e-3, "check_every": 35}
+RECIPE = {"align_steps": 200, "steps": 100, "batch": 4, "first": 14, "lr": 1e-3, "check_every": 35}
 """``smol_training``'s defaults for this member (the training command takes no other flag than ``--out``)."""
 
 
@@ -41,6 +42,22 @@ def _rng(split: str, seed: int, index: int) -> random.Random:
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     return random.Random(f"vlkv-zoo-{NAME}/{split}/{seed}/{index}")  # disjoint streams per split
+
+
+def variants(example: Example) -> list[Example]:
+    """Training only: the example's question, then the same catalogue asked by name ("What is the code of
+    the red circle?") for the object in the image and its 7 near misses (same colour or same shape), packed
+    into one sequence (``smol_lm.pack``): the lookup in the text trains on every block, the image-to-line
+    step on the first. Held-out examples ask only the image question."""
+    ((_, obj),) = example.focus
+    *lines, _ = example.question.splitlines()
+    out = [example]
+    for line in lines[1:]:
+        _, colour, shape, _, _, code, *_ = line.split()
+        if colour == obj.colour or shape == obj.shape:
+            question = "\n".join([*lines, f"What is the code of the {colour} {shape}?"])
+            out.append(replace(example, question=question, answer=code[:-1], target=code[:-1]))
+    return out
 
 
 def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
@@ -69,4 +86,4 @@ MEMBER = smol_member(
 make_examples = MEMBER.make_examples
 
 if __name__ == "__main__":
-    train_member(MEMBER, make_example, RECIPE)
+    train_member(MEMBER, make_example, RECIPE, variants=variants)

@@ -65,6 +65,8 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("sinks: 4", {**_VL, "sink_tokens": 4}),
     ("text window: off", {**_VL, "text_window": 0}),
     ("text window: 8", {**_VL, "text_window": 8}),
+    ("text-only: preset vlcache_text", {**_VL, "text_preset": "vlcache_text"}),
+    ("text-only: preset vlcache_lookup", {**_VL, "text_preset": "vlcache_lookup"}),
     ("snapkv", {"policy": "snapkv"}),
     ("pyramidkv", {"policy": "pyramidkv"}),
 )

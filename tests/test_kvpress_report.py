@@ -10,6 +10,8 @@ from vlkv.tools.eval.kvpress_presses import compression_ratio, kept_fraction, ke
 from vlkv.tools.eval.kvpress_report import aggregate, cell_key, merge
 from vlkv.tools.eval.zoo_scoring import wilson
 
+from tests.tiny_llama import tiny_llama
+
 
 @pytest.mark.parametrize("budget", [0.01, 0.02, 0.05, 0.1, 0.5, 1.0])
 def test_budget_and_compression_ratio_are_complements(budget):
@@ -81,21 +83,11 @@ def test_kept_mask_recovers_the_gathered_positions():
 
 
 def test_masked_batch_decode_matches_decoding_a_truly_compressed_cache():
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
     from vlkv.tools.eval.kvpress_decode import greedy, stack_caches
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=1,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(2, eos_token_id=1)
+    cfg = model.config
     m = 40
     with torch.inference_mode():
         full = DynamicCache(config=cfg)

@@ -6,29 +6,16 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from vlkv.tools.task.synthetic_task import Example
 from vlkv.tools.zoo import smol_codes, smol_objects
 from vlkv.tools.zoo.smol_lm import LoraSpec, answer_logits, merge_lora, pack, run_layers
 from vlkv.tools.zoo.smol_vision import BACKGROUND_WORD, GEOM, VisionParts, draw_object, patch_words
 
-
-def _tiny(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(cfg).eval()
+from tests.tiny_llama import tiny_llama
 
 
 def test_split_layer_run_equals_the_models_causal_forward():
-    model = _tiny()
+    model = tiny_llama()
     ids = torch.randint(0, 64, (1, 23))
     single = pack([ids[0]], [[5]], image_id=63)
     with torch.no_grad():
@@ -48,7 +35,7 @@ def test_split_layer_run_equals_the_models_causal_forward():
 
 
 def test_a_packed_scene_gives_each_question_the_logits_of_its_own_prompt():
-    model = _tiny()
+    model = tiny_llama()
     prefix = torch.randint(0, 60, (19,))
     prefix[[3, 4, 5]] = 63  # "image" tokens: in the shared prefix
     prompts = [torch.cat([prefix, torch.randint(0, 60, (n,))]) for n in (4, 6, 3)]
@@ -69,7 +56,7 @@ def test_a_packed_scene_gives_each_question_the_logits_of_its_own_prompt():
 
 
 def test_vision_parts_leave_the_decoders_attention_implementation_alone():
-    model = _tiny()
+    model = tiny_llama()
     model.set_attn_implementation("sdpa")
     VisionParts(model.config)  # LlavaConfig resets a text config it is given: it gets a copy
     assert model.config._attn_implementation == "sdpa"
@@ -81,7 +68,7 @@ def test_merge_lora_equals_peft_merge_and_reports_the_relative_change():
 
     spec = LoraSpec(first=2, rank=4, alpha=8)
     model = peft.get_peft_model(
-        _tiny(),
+        tiny_llama(),
         peft.LoraConfig(
             r=spec.rank, lora_alpha=spec.alpha, target_modules=list(TARGETS), layers_to_transform=[2, 3]
         ),
@@ -92,7 +79,7 @@ def test_merge_lora_equals_peft_merge_and_reports_the_relative_change():
             p.data.normal_(0, 0.05)  # peft starts B at zero: make the adapters do something
     state = lora_state(model)
     assert state and all(".layers.2." in k or ".layers.3." in k for k in state)
-    ours = _tiny()
+    ours = tiny_llama()
     before = {k: v.clone() for k, v in ours.state_dict().items()}
     change = merge_lora(ours.model, state, spec.scale)
     theirs = model.merge_and_unload()

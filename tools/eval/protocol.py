@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.tools.eval.zoo_report import counts, finalize, model_bound
+from vlkv.tools.eval.zoo_report import better_oracle, counts, finalize, model_bound
 from vlkv.tools.eval.zoo_scoring import ORACLES
 
 BUDGETS = (0.01, 0.02, 0.05, 0.10)
@@ -83,8 +83,8 @@ def current_label(results: dict) -> str:
 
 def oracle_of(r: dict, b) -> float:
     """The better oracle row's accuracy at ``b`` (the full cache's when no oracle was run)."""
-    found = [r["rows"][o][str(b)] for o in ORACLES if str(b) in r["rows"].get(o, {})]
-    return max(found) if found else r["full"]
+    oracle = better_oracle(r, b)
+    return r["full"] if oracle is None else oracle
 
 
 def relative(r: dict, label: str, b) -> float | None:

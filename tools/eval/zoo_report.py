@@ -33,10 +33,16 @@ def finalize(result: dict) -> dict:
     return result
 
 
+def better_oracle(r: dict, b) -> float | None:
+    """The better oracle row's accuracy at ``b``; None when no oracle row was run there."""
+    oracles = [r["rows"][o][str(b)] for o in ORACLES if str(b) in r["rows"].get(o, {})]
+    return max(oracles) if oracles else None
+
+
 def model_bound(r: dict, b) -> bool:
     """Whether the better oracle keeps less than ``MODEL_BOUND`` of the full cache's accuracy at ``b``."""
-    oracles = [r["rows"][o][str(b)] for o in ORACLES if o in r["rows"] and str(b) in r["rows"][o]]
-    return bool(oracles) and r["full"] > 0 and max(oracles) < MODEL_BOUND * r["full"]
+    oracle = better_oracle(r, b)
+    return oracle is not None and r["full"] > 0 and oracle < MODEL_BOUND * r["full"]
 
 
 def counts(r: dict) -> bool:

@@ -148,7 +148,8 @@ def test_codes_need_the_image_and_the_text():
         lines = ex.question.splitlines()
         assert lines[0] == smol_codes.HEADER and lines[-1] == smol_codes.QUESTION and len(lines) == 22
         (line,) = [x for x in lines if x.startswith(f"The {obj.colour} {obj.shape} has code ")]
-        assert line.split()[5] == ex.answer + "."  # the code is in the text, under the object seen
+        assert line.split()[5] == ex.target + "."  # the code is in the text, under the object seen
+        assert ex.answer == f"The {obj.colour} {obj.shape} has code {ex.target}"
         assert sum(obj.colour in x or obj.shape in x for x in lines) == 8  # 7 near misses beside it
         other = next(x for x in lines[1:-1] if x is not line).split()[5].rstrip(".")
         assert not smol_codes.MEMBER.is_correct(other, ex)
@@ -176,5 +177,6 @@ def test_codes_training_variants_look_up_the_object_and_its_near_misses_by_name(
             g.question.splitlines()[-1].removeprefix("What is the code of the ").rstrip("?").split()
         )
         assert colour == obj.colour or shape == obj.shape
-        assert f"The {colour} {shape} has code {g.answer}." in g.question and g.images is ex.images
+        assert f"{g.answer}." in g.question and g.answer == f"The {colour} {shape} has code {g.target}"
+        assert g.images is ex.images and smol_codes.MEMBER.is_correct(g.answer, g)
     assert sum(g.answer == ex.answer for g in named) == 1

@@ -5,12 +5,13 @@ The task: one image (196 x 196, **14 x 14 = 196 vision tokens**; ``smol_vision``
 one of 5 colours x 4 shapes, then a catalogue of all 20 colour-shape pairs in random order, each with its own
 random 4-digit code and two distractor numbers (``The red circle has code 4821. It is kept on shelf 12 in
 room 7.``: 25 tokens a line, **512 tokens** of context), then the question "What is the code of the object
-in the image?" -> "4821". The image alone does not give the code and the text alone does not say which of
+in the image?" -> "The red circle has code 4821" (the answer names the object it saw, then the code its
+line gives). The image alone does not give the code and the text alone does not say which of
 the 20 objects is meant; the entries sharing the object's colour or its shape are the near misses. Prompts
 are ~750-765 tokens (SmolLM2's ChatML frame and default system prompt included).
 
-Scoring: the zoo's one ``is_correct`` over the 4-digit codes (the generated text's numbers must be exactly
-the code).
+Scoring: the zoo's one ``is_correct`` over the 4-digit codes (the generated text's 4-digit numbers must be
+exactly the code; the words before it are not scored).
 
 Training: ``python -m vlkv.tools.zoo.smol_codes --out tools/zoo/models/smol_codes`` (``smol_training``).
 """
@@ -25,7 +26,7 @@ from vlkv.tools.zoo.smol_training import smol_member, train_member
 from vlkv.tools.zoo.smol_vision import draw_object
 
 NAME = "smol_codes"
-MAX_NEW_TOKENS = 6  # four digits (one token each) + <|im_end|>
+MAX_NEW_TOKENS = 14  # "The <colour> <shape> has code " + four digits (one token each) + <|im_end|>
 GEOMETRY = (
     "LLaVA-1.5 on SmolLM2-135M-Instruct (30 layers, GQA 9/3), 196 vision tokens, then a 512-token catalogue; "
     "the code is looked up in the text under the colour and shape seen in the image (~750-765-token prompts)"
@@ -34,7 +35,8 @@ KINDS = ("code_of_object",)
 HEADER = "Here is the catalogue of all objects and their codes:"
 LINE = "The {colour} {shape} has code {code}. It is kept on shelf {shelf} in room {room}."
 QUESTION = "What is the code of the object in the image?"
-RECIPE = {"align_steps": 200, "steps": 100, "batch": 4, "first": 14, "lr": 1e-3, "check_every": 35}
+ANSWER = "The {colour} {shape} has code {code}"
+RECIPE = {"align_steps": 200, "steps": 160, "batch": 4, "first": 14, "lr": 1e-3, "check_every": 40}
 """``smol_training``'s defaults for this member (the training command takes no other flag than ``--out``)."""
 
 
@@ -56,7 +58,8 @@ def variants(example: Example) -> list[Example]:
         _, colour, shape, _, _, code, *_ = line.split()
         if colour == obj.colour or shape == obj.shape:
             question = "\n".join([*lines, f"What is the code of the {colour} {shape}?"])
-            out.append(replace(example, question=question, answer=code[:-1], target=code[:-1]))
+            answer = ANSWER.format(colour=colour, shape=shape, code=code[:-1])
+            out.append(replace(example, question=question, answer=answer, target=code[:-1]))
     return out
 
 
@@ -71,9 +74,9 @@ def make_example(index: int, seed: int = 0, split: str = "heldout") -> Example:
     ]
     which = rng.randrange(len(pairs))
     image, obj = draw_object(rng, *pairs[which])
-    answer = str(codes[which])
+    answer = ANSWER.format(colour=obj.colour, shape=obj.shape, code=codes[which])
     question = "\n".join([HEADER, *lines, QUESTION])
-    return Example([image], question, answer, answer, "code", KINDS[0], [[obj]], [(0, obj)])
+    return Example([image], question, answer, str(codes[which]), "code", KINDS[0], [[obj]], [(0, obj)])
 
 
 MEMBER = smol_member(

@@ -1,5 +1,6 @@
-"""The tuning protocol v2 (tools/eval/protocol.py) on made-up zoo results: scores relative to the oracle,
-real members first, leave-one-member-out folds, adoption, and the saved JSON read back."""
+"""The tuning protocol (tools/eval/protocol*.py) on made-up zoo results: v2's rules (scores relative to the
+oracle, real members first, leave-one-member-out folds, adoption), v2.1's two dimensions (``text_preset`` on
+the text tasks, every other option on the image members) and the saved JSON read back."""
 
 import json
 import math
@@ -7,7 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 from vlkv.tools.eval import protocol
-from vlkv.tools.eval.protocol import CURRENT, choose, decide, load, score
+from vlkv.tools.eval.protocol_kinds import (
+    DIFFERS,
+    EQUAL,
+    NO_IMAGE_EVIDENCE,
+    NOT_MEASURED,
+    decide_kinds,
+    text_rows,
+)
+from vlkv.tools.eval.protocol_rules import CURRENT, choose, decide, load, score
 from vlkv.tools.eval.zoo_report import finalize
 from vlkv.tools.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
 
@@ -135,5 +144,112 @@ def test_run_protocol_reads_saved_zoo_json_and_merges_rows_run_apart(tmp_path):
     out = tmp_path / "out"
     assert protocol.run_protocol(SimpleNamespace(protocol=paths, out=str(out))) == 0
     summary = json.loads((out / "protocol.json").read_text())
-    assert summary["choice"] == "p" and summary["adopted"]
+    # no text task in these files: the text dimension cannot leave one out; the image one is v2's
+    assert summary["text"]["note"] == "not decidable: 0 text members" and not summary["text"]["adopted"]
+    assert summary["image"]["choice"] == "p" and summary["image"]["adopted"]
     assert "Leave-one-member-out" in (out / "protocol.md").read_text()
+
+
+# v2.1: one dimension per prompt kind. TP sets only text_preset; IMG is an option for every prompt.
+TP, IMG = "text-only prompts: preset P", "pooling off"
+TEXTS = ["text needle 1K", "text kv 1K", "text hop 1K"]
+
+
+def _kinds_configs():
+    return {
+        CURRENT: {"policy": "vlcache", "params": {}},
+        TP: {"policy": "vlcache", "params": {"text_preset": "vlcache_text"}},
+        IMG: {"policy": "vlcache", "params": {"pool_kernel": 1}},
+        "snapkv (baseline)": {"policy": "snapkv", "params": {}},
+    }
+
+
+def _kinds(texts=TEXTS, tp_on_last_text_heldout=0.9):
+    """Text tasks where TP is far better than the default and IMG worse; two image members where TP gives
+    the default's answers (image prompts unchanged) and IMG is better. ``tp_on_last_text_heldout``: TP's
+    held-out accuracy at 1% on the last text task (the default's is 0.3)."""
+    text = {CURRENT: (0.3, 0.4), TP: (0.9, 0.9), IMG: (0.1, 0.2)}
+    image = {CURRENT: (0.5, 0.6), TP: (0.5, 0.6), IMG: (0.7, 0.8)}
+    train = {t: _member(text, real=True) for t in texts} | {g: _member(image) for g in ("g", "h")}
+    heldout = {t: _member(text, real=True) for t in texts} | {g: _member(image) for g in ("g", "h")}
+    if texts:
+        heldout[texts[-1]] = _member({**text, TP: (tp_on_last_text_heldout, 0.9)}, real=True)
+    for r in [*train.values(), *heldout.values()]:
+        r["configs"] = _kinds_configs()
+    return train, heldout
+
+
+def test_text_rows_are_those_that_differ_from_the_default_only_in_text_preset():
+    configs = _kinds_configs() | {
+        "lookup": {"policy": "vlcache", "params": {"span_after": 8, "text_preset": ""}},
+        "both": {"policy": "vlcache", "params": {"text_preset": "vlcache_text", "pool_kernel": 1}},
+        "on snapkv": {"policy": "snapkv", "params": {"text_preset": "vlcache_text"}},
+    }
+    assert text_rows(configs, CURRENT) == [TP]
+
+
+def test_a_text_preset_is_adopted_when_it_holds_on_every_text_fold():
+    text, image = decide_kinds(*_kinds(), BUDGETS)
+    assert text.members == TEXTS and text.labels == [CURRENT, TP]  # the image option is not a text candidate
+    assert [f.left_out for f in text.decision.folds] == TEXTS and all(
+        f.choice == TP for f in text.decision.folds
+    )
+    assert text.adopted and text.preset == "vlcache_text", text.decision.reasons
+    assert text.image_check == {"g": {TP: EQUAL}, "h": {TP: EQUAL}}
+
+
+def test_a_text_preset_that_drops_a_text_fold_by_more_than_a_point_is_refused():
+    text, _ = decide_kinds(*_kinds(tp_on_last_text_heldout=0.25), BUDGETS)  # 5 points below the default at 1%
+    fold = next(f for f in text.decision.folds if f.left_out == TEXTS[-1])
+    assert fold.choice == TP and fold.diffs[0] == pytest.approx(-5.0) and not fold.holds
+    assert not text.adopted and text.preset == ""
+    assert any("folds that do not hold" in r and TEXTS[-1] in r for r in text.decision.reasons)
+
+
+def test_one_text_member_is_not_decidable_and_adopts_nothing():
+    text, image = decide_kinds(*_kinds(texts=TEXTS[:1]), BUDGETS)
+    assert text.note == "not decidable: 1 text member" and text.decision is None and not text.adopted
+    assert text.choice.label == TP  # the scores are still shown
+    assert image.texts_judge and TEXTS[0] in image.members  # no preset: the text task judges image options
+
+
+def test_an_image_option_is_judged_without_the_text_tasks_only_when_a_preset_is_adopted():
+    text, image = decide_kinds(*_kinds(), BUDGETS)
+    assert text.adopted
+    assert image.members == ["g", "h"] and not image.texts_judge and TP not in image.labels
+    assert image.choice.label == IMG and image.adopted, image.decision.reasons  # worse on text: moot
+    assert set(image.decision.checks) == {"g", "h"}
+    text, image = decide_kinds(*_kinds(tp_on_last_text_heldout=0.25), BUDGETS)
+    assert not text.adopted
+    assert image.texts_judge and image.members == [*TEXTS, "g", "h"]
+    # IMG loses 20 points on every text task: the worst member picks the default, nothing is adopted
+    assert image.choice.label == CURRENT and not image.adopted
+
+
+def test_a_text_preset_row_that_differs_on_an_image_member_is_flagged():
+    train, heldout = _kinds()
+    hits = heldout["g"]["hits"][TP]["0.01"]
+    heldout["g"]["hits"][TP]["0.01"] = hits[::-1]  # same accuracy, other examples right
+    finalize(heldout["g"])
+    del heldout["h"]["hits"][TP], heldout["h"]["rows"][TP]
+    text, _ = decide_kinds(train, heldout, BUDGETS)
+    assert text.image_check == {"g": {TP: DIFFERS}, "h": {TP: NOT_MEASURED}}
+    assert not text.adopted and any("differs" in r and "g" in r for r in text.decision.reasons)
+
+
+def test_text_only_files_leave_the_image_dimension_undecided(tmp_path):
+    train, heldout = _kinds()
+    paths = []
+    for split, results in (("train", train), ("heldout", heldout)):
+        keep = {t: results[t] for t in TEXTS}
+        (tmp_path / f"{split}.json").write_text(
+            json.dumps({"split": split, "n": N, "configs": _kinds_configs(), "results": keep})
+        )
+        paths.append(str(tmp_path / f"{split}.json"))
+    out = tmp_path / "out"
+    assert protocol.run_protocol(SimpleNamespace(protocol=paths, out=str(out))) == 0
+    summary = json.loads((out / "protocol.json").read_text())
+    assert summary["text"]["adopted"] and summary["text"]["preset"] == "vlcache_text"
+    assert summary["image"]["note"] == NO_IMAGE_EVIDENCE and not summary["image"]["decided"]
+    md = (out / "protocol.md").read_text()
+    assert NO_IMAGE_EVIDENCE in md and "No image member in these files: not measured." in md

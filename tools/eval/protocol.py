@@ -1,292 +1,73 @@
-"""The tuning protocol, v2 (``common/compression/README.md``): choose vlcache's defaults from saved results.
+"""``vlkv eval --protocol FILES --out DIR``: the tuning protocol (v2.1) recomputed from saved results.
 
-``vlkv eval --protocol TRAIN.json [HELDOUT.json ...]`` reads ``vlkv eval --zoo --ablation`` outputs
-(``zoo.json`` / ``zoo_ablation.json``; several files are merged per split and member, so rows and members
-run apart add up) and recomputes the choice without running a model:
-
-- **Members that count**: not eviction-trained, not a dropped text task. The real-decoder members and the
-  real-text tasks (SmolLM2) come first, the others second (``choose``).
-- **A candidate's score** on a set of members: per budget, the worst member's accuracy relative to its better
-  oracle row, model-bound cells (better oracle < 0.9 of full) left out; averaged over the budgets.
-- **Choosing** (``choose``): the best score on every member that counts; among the candidates within ``TIE``
-  of it (1 point, or two items of the smallest n when that is more: one item is 2 points at n = 50), the best
-  score on the real members, then on the others, then the mean relative accuracy over every member.
-- **Leave-one-member-out** (``lomo``): per member that counts, the choice on the *other* members' training
-  splits, checked on the left-out member's held-out split against the current default: no budget (not
-  model-bound) more than ``MAX_DROP`` points below it.
-- **Adopting** (``decide``): the choice on every member's training split becomes the default only if every
-  fold holds, it is the choice of at least half of the folds (a candidate that wins only when every member
-  is seen is tuned to the set), and on the held-out splits it lowers no member that counts by more than
-  ``MAX_DROP`` points at a budget that is not model-bound, nor a real-decoder member or text task at any
-  budget.
+Reads ``vlkv eval --zoo --ablation`` outputs (``zoo.json`` / ``zoo_ablation.json``; several files are merged
+per split and member, so rows and members run apart add up: ``protocol_rules.load``), decides the text
+dimension (``text_preset``, on the real-text tasks) and then the image dimension (every other option)
+(``protocol_kinds.py``; the rules are ``protocol_rules.py``'s, v2's), and writes both dimensions' tables
+(scores, leave-one-member-out folds, held-out before / after) and verdicts to ``DIR/protocol.md`` and
+``DIR/protocol.json``. No model is run.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.tools.eval.zoo_report import better_oracle, counts, finalize, model_bound
-from vlkv.tools.eval.zoo_scoring import ORACLES
+from vlkv.tools.eval.protocol_kinds import Dimension, decide_kinds, is_text
+from vlkv.tools.eval.protocol_rules import (
+    BUDGETS,
+    MAX_DROP,
+    accuracies,
+    drops,
+    is_real,
+    load,
+    points,
+)
+from vlkv.tools.eval.zoo_report import model_bound
 
-BUDGETS = (0.01, 0.02, 0.05, 0.10)
-CURRENT = "vlcache (defaults)"
-"""The current default's row in ``--ablation`` runs (``DEFAULT_POLICY``'s label in the plain run)."""
-TIE = 0.01
-"""Scores on the real members within this of the best (or within ``TIE_ITEMS`` items of the smallest real
-member's n, when that is more) go on to the other members' score."""
-TIE_ITEMS = 2
-"""A difference of two items at n = 50 (4 points) is noise, not a choice."""
-MAX_DROP = 1.0
-"""Accuracy points a choice may lose against the current default on a held-out member at a budget."""
-
-
-def load(paths) -> dict[str, dict[str, dict]]:
-    """``{split: {member: result}}`` from ``vlkv eval --zoo`` JSON files, rows of one member and split merged
-    (the per-example hits of a row run twice must agree in n; the later file's are kept)."""
-    out: dict[str, dict[str, dict]] = {}
-    configs: dict = {}
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        split = data.get("split", "heldout")
-        configs |= data.get("configs", {})
-        for name, r in data["results"].items():
-            into = out.setdefault(split, {}).setdefault(name, {k: v for k, v in r.items() if k != "hits"})
-            if "dropped" in r:
-                into["dropped"] = r["dropped"]
-            hits = into.setdefault("hits", {})
-            for label, by_b in r.get("hits", {}).items():
-                for b, h in by_b.items():
-                    old = hits.get(label, {}).get(b)
-                    if old is not None and len(old) != len(h):
-                        raise ValueError(f"{path}: {name} {label} at {b}: n {len(h)} but {len(old)} before")
-                    hits.setdefault(label, {})[b] = h
-    for results in out.values():
-        for r in results.values():
-            finalize(r)
-            r.setdefault("configs", configs)
-    return out
+TITLES = {"text": "Text-only prompts: `text_preset`", "image": "Image prompts: every other option"}
 
 
-def is_real(name: str, r: dict) -> bool:
-    """A real-decoder member or a real-text task (SmolLM2-135M-Instruct)."""
-    return bool(r.get("real_decoder", name.startswith("text ") or "SmolLM2" in r.get("geometry", "")))
+def verdict(dim: Dimension) -> str:
+    if dim.note:
+        return dim.note
+    d = dim.decision
+    if d.adopted:
+        extra = f' (`text_preset="{dim.preset}"`)' if dim.preset else ""
+        return f"`{d.choice.label}` **adopted**{extra}"
+    return f"`{d.choice.label}` **not adopted**: " + "; ".join(d.reasons)
 
 
-def current_label(results: dict) -> str:
-    labels = {label for r in results.values() for label in r.get("rows", {})}
-    return CURRENT if CURRENT in labels else DEFAULT_POLICY
-
-
-def oracle_of(r: dict, b) -> float:
-    """The better oracle row's accuracy at ``b`` (the full cache's when no oracle was run)."""
-    oracle = better_oracle(r, b)
-    return r["full"] if oracle is None else oracle
-
-
-def relative(r: dict, label: str, b) -> float | None:
-    """Accuracy relative to the better oracle; None where model-bound or not measured."""
-    acc = r.get("rows", {}).get(label, {}).get(str(b))
-    if acc is None or model_bound(r, b):
-        return None
-    oracle = oracle_of(r, b)
-    return acc / oracle if oracle else None
-
-
-def score(results: dict, label: str, names, budgets=BUDGETS) -> float:
-    """Per budget the worst of ``names``' relative accuracies (model-bound cells left out), averaged over the
-    budgets that have one; nan when none has."""
-    worst = []
-    for b in budgets:
-        rel = [x for n in names if (x := relative(results[n], label, b)) is not None]
-        if rel:
-            worst.append(min(rel))
-    return sum(worst) / len(worst) if worst else float("nan")
-
-
-def mean_relative(results: dict, label: str, names, budgets=BUDGETS) -> float:
-    rel = [x for n in names for b in budgets if (x := relative(results[n], label, b)) is not None]
-    return sum(rel) / len(rel) if rel else float("nan")
-
-
-def counting(results: dict) -> list[str]:
-    """Members that count, the real-decoder members and text tasks first."""
-    names = [n for n, r in results.items() if counts(r)]
-    return sorted(names, key=lambda n: not is_real(n, results[n]))
-
-
-def candidates(results: dict) -> list[str]:
-    """vlcache's rows (the ``--ablation`` rows whose policy is vlcache; baselines and oracles left out),
-    in the table's order, that every member that counts has."""
-    names = counting(results)
-    if not names:
-        return []
-    first = results[names[0]]
-    configs = first.get("configs", {})
-    labels = [x for x in first.get("rows", {}) if x not in ORACLES]
-    if configs:
-        labels = [x for x in labels if configs.get(x, {}).get("policy") == DEFAULT_POLICY]
-    else:
-        labels = [x for x in labels if not x.endswith("(baseline)") and x == x.strip()]
-    return [x for x in labels if all(x in results[n].get("rows", {}) for n in names)]
-
-
-@dataclass
-class Choice:
-    label: str
-    table: list[tuple[str, float, float, float, float]]  # (candidate, every member, real, others, mean)
-
-
-def _key(x: float) -> float:
-    return -1.0 if math.isnan(x) else x
-
-
-def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
-    """The candidate with the best score on every member of ``names`` (the worst member's); among those within
-    the tie of it (``TIE``, or ``TIE_ITEMS`` items of the smallest n when that is more), the best score on the
-    real members, then on the others, then the best mean; then the table's order."""
-    real = [n for n in names if is_real(n, results[n])]
-    other = [n for n in names if n not in real]
-    rows = [
-        (
-            x,
-            score(results, x, names, budgets),
-            score(results, x, real, budgets),
-            score(results, x, other, budgets),
-            mean_relative(results, x, names, budgets),
+def _members_line(dim: Dimension, train: dict) -> str:
+    real = [n for n in dim.members if is_real(n, train[n])]
+    line = f"Members: {', '.join(dim.members) or 'none'}; real: {', '.join(real) or 'none'}."
+    if dim.kind == "image" and dim.members:
+        line += (
+            " The text tasks take part: no text preset was adopted, so an image option also changes text-only "
+            "prompts."
+            if dim.texts_judge
+            else " The text tasks are left out: the adopted text preset compresses text-only prompts."
         )
-        for x in labels
-    ]
-    best = max(_key(row[1]) for row in rows)
-    tie = max(TIE, TIE_ITEMS / min(results[n].get("n") or 1 for n in names))
-    pool = [row for row in rows if _key(row[1]) >= best - tie - 1e-12]
-    ranked = sorted(pool, key=lambda t: tuple(-_key(v) for v in t[2:]))
-    rest = sorted((r for r in rows if r not in pool), key=lambda t: tuple(-_key(v) for v in t[1:]))
-    return Choice(ranked[0][0], ranked + rest)
+    return line + f" Candidates: {', '.join(f'`{x}`' for x in dim.labels) or 'none'}."
 
 
-def drops(r: dict, label: str, base: str, budgets=BUDGETS, every_budget: bool = False) -> list:
-    """Per budget ``label``'s accuracy minus ``base``'s in points; None where not measured, or model-bound
-    (unless ``every_budget``)."""
-    out = []
-    for b in budgets:
-        rows = r.get("rows", {})
-        a, c = rows.get(label, {}).get(str(b)), rows.get(base, {}).get(str(b))
-        skip = a is None or c is None or (model_bound(r, b) and not every_budget)
-        out.append(None if skip else 100 * (a - c))
-    return out
-
-
-def holds(diffs: list) -> bool:
-    """No measured budget more than ``MAX_DROP`` points down (None cells are not checked)."""
-    return all(d >= -MAX_DROP - 1e-9 for d in diffs if d is not None)
-
-
-@dataclass
-class Fold:
-    left_out: str
-    choice: str
-    diffs: list  # held-out points per budget against the current default (None: model-bound / missing)
-    accuracy: dict = field(default_factory=dict)  # {label: [held-out accuracy per budget]}
-    measured: bool = True
-
-    @property
-    def holds(self) -> bool:
-        return self.measured and holds(self.diffs)
-
-
-def lomo(train: dict, heldout: dict, labels, current: str, budgets=BUDGETS) -> list[Fold]:
-    """One fold per member that counts: the choice on the others' training splits, checked on its held-out."""
-    names = counting(train)
-    folds = []
-    for left in names:
-        pick = choose(train, [n for n in names if n != left], labels, budgets).label
-        r = heldout.get(left, {})
-        rows = r.get("rows", {})
-        measured = pick in rows and current in rows
-        acc = {x: [rows[x].get(str(b)) for b in budgets] for x in (pick, current) if x in rows}
-        diffs = drops(r, pick, current, budgets) if measured else [None] * len(budgets)
-        folds.append(Fold(left, pick, diffs, acc, measured))
-    return folds
-
-
-@dataclass
-class Decision:
-    choice: Choice
-    folds: list[Fold]
-    current: str
-    checks: dict  # {member: [points per budget]} of the choice against the current default, held-out
-    adopted: bool
-    reasons: list[str]
-
-
-def decide(train: dict, heldout: dict, budgets=BUDGETS) -> Decision:
-    labels = candidates(train)
-    if not labels:
-        raise ValueError("no candidate row that every member that counts has on the training split")
-    current = current_label(train)
-    names = counting(train)
-    choice = choose(train, names, labels, budgets)
-    folds = lomo(train, heldout, labels, current, budgets)
-    reasons = []
-    if choice.label == current:
-        reasons.append("the choice is the current default")
-    failed = [f.left_out for f in folds if not f.holds]
-    if failed:
-        reasons.append("folds that do not hold (or were not measured): " + ", ".join(failed))
-    wins = sum(f.choice == choice.label for f in folds)
-    if 2 * wins < len(folds):
-        reasons.append(f"tuned to the set: the choice wins {wins} of {len(folds)} folds")
-    checks = {}
-    for name, r in heldout.items():
-        real = is_real(name, r)
-        if not (counts(r) or real) or "dropped" in r:
-            continue
-        checks[name] = drops(r, choice.label, current, budgets, every_budget=real)
-        if not holds(checks[name]):
-            reasons.append(f"held-out {name}: {_points(checks[name])}")
-    missing = [n for n in names if n not in checks]
-    if missing:
-        reasons.append("not measured held-out: " + ", ".join(missing))
-    return Decision(choice, folds, current, checks, not reasons, reasons)
-
-
-def _points(diffs, bound=None) -> str:
-    marks = bound or [False] * len(diffs)
-    return " / ".join(
-        "-" if d is None else f"{d:+.1f}{'*' if b else ''}" for d, b in zip(diffs, marks, strict=True)
-    )
-
-
-def _acc(xs) -> str:
-    return " / ".join("-" if x is None else f"{x:.3f}" for x in xs)
-
-
-def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGETS) -> list[str]:
-    pct = " / ".join(f"{b:.0%}" for b in budgets)
-    names = counting(train)
-    real = [n for n in names if is_real(n, train[n])]
+def _scores(dim: Dimension) -> list[str]:
     md = [
-        "# Tuning protocol v2",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Members that count (real decoder / text first): {', '.join(names)}; real: {', '.join(real) or 'none'}.",
-        "",
-        "## Scores on the training splits (every member that counts)",
+        "### Scores on the training splits",
         "",
         "| candidate | score (every member) | real members (decoder, text) | the others | mean over members |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for label, w, a, b, c in d.choice.table:
-        mark = " (chosen)" if label == d.choice.label else (" (current)" if label == d.current else "")
+    for label, w, a, b, c in dim.choice.table:
+        mark = " (chosen)" if label == dim.choice.label else (" (current)" if label == dim.current else "")
         md.append(f"| {label}{mark} | {w:.3f} | {a:.3f} | {b:.3f} | {c:.3f} |")
-    md += [
-        "",
-        f"## Leave-one-member-out (held-out, {pct}; points against `{d.current}`; fails below -{MAX_DROP:g}; "
+    return md + [""]
+
+
+def _folds(dim: Dimension, heldout: dict, budgets) -> list[str]:
+    d, pct = dim.decision, " / ".join(f"{b:.0%}" for b in budgets)
+    md = [
+        f"### Leave-one-member-out (held-out, {pct}; points against `{d.current}`; fails below -{MAX_DROP:g}; "
         "`*`: model-bound, not checked)",
         "",
         "| left out | choice on the others | choice held-out | current held-out | points | holds |",
@@ -300,32 +81,104 @@ def render(d: Decision, train: dict, heldout: dict, command: str, budgets=BUDGET
         bound = [bool(r.get("rows")) and model_bound(r, b) for b in budgets]
         diffs = drops(r, f.choice, d.current, budgets, every_budget=True) if f.measured else f.diffs
         md.append(
-            f"| {f.left_out} | {f.choice} | {_acc(mine)} | {_acc(base)} | {_points(diffs, bound)} | {ok} |"
+            f"| {f.left_out} | {f.choice} | {accuracies(mine)} | {accuracies(base)} | {points(diffs, bound)} "
+            f"| {ok} |"
         )
-    md += [
-        "",
-        f"## Held-out: `{d.choice.label}` against `{d.current}` ({pct})",
+    return md + [""]
+
+
+def _shown(dim: Dimension, name: str) -> bool:
+    """The held-out members a dimension's before / after table shows: the text tasks for the text
+    dimension; for the image one every member, the text tasks only while they take part."""
+    return is_text(name) if dim.kind == "text" else dim.texts_judge or not is_text(name)
+
+
+def _heldout(dim: Dimension, heldout: dict, budgets) -> list[str]:
+    label, pct = dim.choice.label, " / ".join(f"{b:.0%}" for b in budgets)
+    md = [
+        f"### Held-out: `{label}` against `{dim.current}` ({pct})",
         "",
         "| member | current | choice | points (`*`: model-bound, not checked unless real) |",
         "| --- | --- | --- | --- |",
     ]
     for name, r in heldout.items():
         rows = r.get("rows", {})
-        if d.current not in rows:
+        if dim.current not in rows or not _shown(dim, name):
             continue
         mark = (
             " (eviction-trained)" if r.get("eviction_trained") else (" (dropped)" if "dropped" in r else "")
         )
-        cur = [rows[d.current].get(str(b)) for b in budgets]
-        new = [rows.get(d.choice.label, {}).get(str(b)) for b in budgets]
-        diffs = drops(r, d.choice.label, d.current, budgets, every_budget=True)
+        cur = [rows[dim.current].get(str(b)) for b in budgets]
+        new = [rows.get(label, {}).get(str(b)) for b in budgets]
+        diffs = drops(r, label, dim.current, budgets, every_budget=True)
         bound = [model_bound(r, b) for b in budgets]
         md.append(
-            f"| {name}{mark} (n={r.get('n')}, full {r.get('full', 0):.3f}) | {_acc(cur)} | {_acc(new)} | "
-            f"{_points(diffs, bound)} |"
+            f"| {name}{mark} (n={r.get('n')}, full {r.get('full', 0):.3f}) | {accuracies(cur)} | "
+            f"{accuracies(new)} | {points(diffs, bound)} |"
         )
-    verdict = "**adopted**" if d.adopted else "**not adopted**: " + "; ".join(d.reasons)
-    return md + ["", f"Choice on every member: `{d.choice.label}`; {verdict}.", ""]
+    return md + [""]
+
+
+def _image_check(dim: Dimension) -> list[str]:
+    md = [
+        "### Image members: the text-preset rows against the current default (held-out, per example)",
+        "",
+    ]
+    rows = [(m, x, v) for m, by in dim.image_check.items() for x, v in by.items()]
+    if not rows:
+        return md + ["No image member in these files: not measured.", ""]
+    md += ["| image member | row | answers |", "| --- | --- | --- |"]
+    md += [f"| {m} | {x} | {v} |" for m, x, v in rows]
+    return md + [""]
+
+
+def render_dimension(dim: Dimension, train: dict, heldout: dict, budgets=BUDGETS) -> list[str]:
+    md = [f"## {TITLES[dim.kind]}", "", _members_line(dim, train), ""]
+    if dim.choice is not None:
+        md += _scores(dim)
+    if dim.decision is not None:
+        md += _folds(dim, heldout, budgets)
+    if dim.choice is not None:
+        md += _heldout(dim, heldout, budgets)
+    if dim.kind == "text":
+        md += _image_check(dim)
+    return md + [f"**Verdict ({dim.kind})**: {verdict(dim)}.", ""]
+
+
+def render(text: Dimension, image: Dimension, train: dict, heldout: dict, command: str, budgets=BUDGETS):
+    md = ["# Tuning protocol v2.1 (per prompt kind)", "", f"Command: `{command}`", ""]
+    return (
+        md
+        + render_dimension(text, train, heldout, budgets)
+        + render_dimension(image, train, heldout, budgets)
+    )
+
+
+def summary(dim: Dimension) -> dict:
+    d = dim.decision
+    out = {
+        "members": dim.members,
+        "candidates": dim.labels,
+        "current": dim.current,
+        "decided": d is not None,
+        "note": dim.note,
+        "choice": dim.choice.label if dim.choice else None,
+        "adopted": dim.adopted,
+        "verdict": verdict(dim),
+        "reasons": d.reasons if d else [],
+        "folds": [
+            {"left_out": f.left_out, "choice": f.choice, "points": f.diffs, "holds": f.holds} for f in d.folds
+        ]
+        if d
+        else [],
+        "heldout_points": d.checks if d else {},
+        "table": dim.choice.table if dim.choice else [],
+    }
+    if dim.kind == "text":
+        out |= {"preset": dim.preset, "image_check": dim.image_check}
+    else:
+        out["text_tasks_judge"] = dim.texts_judge
+    return out
 
 
 def run_protocol(args) -> int:
@@ -334,23 +187,14 @@ def run_protocol(args) -> int:
     train, heldout = data.get("train", {}), data.get("heldout", {})
     if not train:
         raise SystemExit("vlkv eval --protocol: no training-split results among " + ", ".join(paths))
-    d = decide(train, heldout)
+    text, image = decide_kinds(train, heldout)
     command = "vlkv eval --protocol " + " ".join(str(p) for p in paths)
-    md = render(d, train, heldout, command)
+    md = render(text, image, train, heldout, command)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "protocol.md").write_text("\n".join(md) + "\n")
-    summary = {
-        "choice": d.choice.label,
-        "current": d.current,
-        "adopted": d.adopted,
-        "reasons": d.reasons,
-        "folds": [
-            {"left_out": f.left_out, "choice": f.choice, "points": f.diffs, "holds": f.holds} for f in d.folds
-        ],
-        "table": d.choice.table,
-    }
-    (out / "protocol.json").write_text(json.dumps(summary, indent=1))
+    result = {"version": "2.1", "text": summary(text), "image": summary(image)}
+    (out / "protocol.json").write_text(json.dumps(result, indent=1))
     print("\n".join(md))
     print(f"wrote {out / 'protocol.md'} and protocol.json")
     return 0

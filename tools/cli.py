@@ -654,7 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--text-lengths", default="1024,2048", help="--zoo: text prompt lengths in tokens (4096 for the note)"
     )
-    p.add_argument("--text-tasks", default="", help="--zoo: comma-separated text tasks (default: all)")
+    p.add_argument(
+        "--text-tasks",
+        default="",
+        help="--zoo: comma-separated text tasks (default: those the model does with the full cache, "
+        "text_suite.DEFAULT_TASKS)",
+    )
     p.add_argument(
         "--rows", default="", help="--zoo --ablation: only these ABLATION rows (labels, `|`-separated)"
     )

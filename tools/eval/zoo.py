@@ -205,7 +205,7 @@ def run_zoo(args) -> int:
     for name in names:
         if name == TEXT:
             lengths = [int(x) for x in str(getattr(args, "text_lengths", "") or "1024,2048").split(",")]
-            tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.TASKS)).split(",")
+            tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.DEFAULT_TASKS)).split(",")
             for task_name, r in run_text(
                 tasks, lengths, getattr(args, "text_n", 50), args.seed, split, configs, budgets
             ):

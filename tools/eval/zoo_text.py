@@ -74,7 +74,7 @@ def run_text(
     model, processor = load_text_model()
     for length in lengths:
         for task in tasks:
-            t = TextTask(task, length, processor.tokenizer)
+            t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
             yield t.name, run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle)
     del model
     gc.collect()

@@ -8,9 +8,15 @@ with no image, through the public API as a chat request. Tasks (RULER, Hsieh et 
 - ``kv``: the whole context is "The code for WORD-WORD is 12345." lines; asked for one word's code;
 - ``tracing``: NAME's number, then "NAME2 has the same secret number as NAME."; asked for NAME2's (2 hops);
 - ``passage``: a short story about two people (where each moved, their jobs) in a haystack; asked where one
-  of them lives now.
+  of them lives now;
+- RULER's own needle tasks, as RULER writes them (``text_ruler.py``): ``niah_single_1`` (RULER's noise
+  haystack, a 7-digit number), ``niah_single_2`` / ``niah_single_3`` (this suite's sentences, a number / a
+  short code), ``niah_code``, ``niah_word`` (noise, a code / a word), ``niah_multikey_1`` (two distractor
+  needles), ``niah_multivalue`` (two values, both asked), ``niah_multiquery`` (two keys asked), ``vt_1hop``
+  (variable tracking, one hop).
 
-The haystack is plain English sentences drawn from a small grammar (no names, numbers or cities in it).
+The haystack is plain English sentences drawn from a small grammar (no names, numbers or cities in it), or
+RULER's noise ("The grass is green. The sky is blue. ..." repeated).
 Lengths are prompt tokens under the model's tokenizer and chat template (1K, 2K, 4K: ``LENGTHS``).
 Everything is deterministic from ``(task, length, split, seed, index)``; the ``train`` and ``heldout`` splits
 draw from disjoint seed spaces.
@@ -31,11 +37,26 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-TASKS = ("needle", "multikey", "kv", "tracing", "passage")
+from vlkv.tools.zoo import text_ruler
+from vlkv.tools.zoo.text_ruler import Spec
+
+TASKS = ("needle", "multikey", "kv", "tracing", "passage", *text_ruler.BUILDERS)
+DEFAULT_TASKS = ("needle", "niah_single_1", "niah_single_2", "niah_single_3", "niah_code")
+"""The tasks of ``vlkv eval --zoo``'s default run: those SmolLM2-135M-Instruct does with the full cache
+(held-out, 1K, n = 50: at least 0.9; ``tools/zoo/README.md``). The others are dropped and named there; they
+still run with ``--text-tasks``."""
 LENGTHS = (1024, 2048, 4096)
 SPLITS = ("train", "heldout")
 MAX_NEW_TOKENS = 20
-"""Enough for "The secret number of NAME is 12345." and an end of turn."""
+"""Enough for "The secret number of NAME is 12345." and an end of turn (``max_new_tokens``: per task)."""
+
+
+def max_new_tokens(task: str) -> int:
+    """Tokens generated for ``task``'s answers: RULER's tasks echo their longer question first."""
+    if task in text_ruler.MANY:
+        return text_ruler.MAX_NEW_TOKENS_MANY
+    return text_ruler.MAX_NEW_TOKENS if task in text_ruler.BUILDERS else MAX_NEW_TOKENS
+
 
 NAMES = (
     "Anna Bruno Clara Daniel Elena Felix Greta Hugo Irene Jonas Karla Leon Maria Nico Olga Pablo Rosa "
@@ -92,6 +113,10 @@ class TextItem:
     answer: str
     seed: int = 0
     images: tuple = field(default=(), repr=False)  # none: a text-only request (the zoo's Example shape)
+    answers: tuple[str, ...] = ()
+    """Every value the answer must hold (``(answer,)`` when empty)."""
+    wrong: tuple[str, ...] = ()
+    """The other needles' values: an answer holding one is wrong (a hedge is no retrieval)."""
 
     @property
     def text(self) -> str:
@@ -107,10 +132,16 @@ class TextItem:
 
 
 def is_correct(text: str, item: TextItem) -> bool:
-    """The answer (a number, a city) appears in the generated text as a whole word; anything after the
-    model's end of turn is ignored."""
+    """Every value of the answer (a number, a city, a word, a code, a variable) appears in the generated text
+    as a whole word, and no other needle's value does; anything after the model's end of turn is ignored."""
     text = text.split("<|im_end|>")[0]
-    return re.search(rf"(?<![\w]){re.escape(item.answer)}(?![\w])", text, flags=re.IGNORECASE) is not None
+    return all(_holds(text, v) for v in item.answers or (item.answer,)) and not any(
+        _holds(text, v) for v in item.wrong
+    )
+
+
+def _holds(text: str, value: str) -> bool:
+    return re.search(rf"(?<![\w]){re.escape(value)}(?![\w])", text, flags=re.IGNORECASE) is not None
 
 
 def render(item: TextItem, processor) -> str:
@@ -148,21 +179,30 @@ def items(
 
 def make_item(task: str, length: int, split: str, index: int, seed: int, tokenizer) -> TextItem:
     rng = random.Random(f"vlkv-text/{split}/{task}/{length}/{seed}/{index}")
-    facts, question, answer, dense = _BUILDERS[task](rng)
+    spec = _BUILDERS[task](rng)
+    facts, question = spec.facts, spec.question
     frame = len(_tokens(tokenizer, _frame_text(tokenizer, " ".join(facts), question)))
     room = length - frame
     if room < 0:
         raise ValueError(f"{task}: the facts alone need {frame} tokens, over {length}")
-    if dense:  # the context is the facts (kv: every line is a key-value pair)
-        lines = dense(rng, room, tokenizer)
+    if spec.dense:  # the context is the facts (kv: every line is a key-value pair)
+        lines = spec.dense(rng, room, tokenizer)
         context = " ".join(lines)
     else:
-        filler = _haystack(rng, room, tokenizer)
+        if spec.haystack == "noise":
+            filler = text_ruler.noise(room, lambda s: _cost(tokenizer, s))
+        else:
+            filler = _haystack(rng, room, tokenizer)
         depths = sorted(rng.randint(0, len(filler)) for _ in facts)  # uniform depths, the facts' order kept
         for j, (depth, fact) in enumerate(zip(depths, facts, strict=True)):
             filler.insert(depth + j, fact)
         context = " ".join(filler)
-    return TextItem(task, length, split, index, context, question, answer, seed)
+    multi = len(spec.answers) > 1
+    answer = ", ".join(spec.answers)
+    return TextItem(
+        task, length, split, index, context, question, answer, seed,
+        answers=spec.answers if multi else (), wrong=spec.wrong,
+    )  # fmt: skip
 
 
 def _frame_text(tokenizer, context: str, question: str) -> str:
@@ -207,7 +247,7 @@ def _number(rng: random.Random) -> str:
 def _needle(rng):
     name, num = rng.choice(NAMES), _number(rng)
     q = f"What is the secret number of {name}? Answer with the number only."
-    return [f"The secret number of {name} is {num}."], q, num, None
+    return Spec([f"The secret number of {name} is {num}."], q, (num,), haystack="grammar")
 
 
 def _multikey(rng):
@@ -216,7 +256,7 @@ def _multikey(rng):
     facts = [f"The secret number of {a} is {b}." for a, b in zip(names, nums, strict=True)]
     i = rng.randrange(len(names))
     q = f"What is the secret number of {names[i]}? Answer with the number only."
-    return facts, q, nums[i], None
+    return Spec(facts, q, (nums[i],), haystack="grammar")
 
 
 def _kv(rng):
@@ -240,7 +280,7 @@ def _kv(rng):
         out.insert(rng2.randint(0, len(out)), target)
         return out
 
-    return [target], q, num, lines
+    return Spec([target], q, (num,), haystack="grammar", dense=lines)
 
 
 def _tracing(rng):
@@ -248,7 +288,7 @@ def _tracing(rng):
     num = _number(rng)
     facts = [f"The secret number of {a} is {num}.", f"{b} has the same secret number as {a}."]
     q = f"What is the secret number of {b}? Answer with the number only."
-    return facts, q, num, None
+    return Spec(facts, q, (num,), haystack="grammar")
 
 
 def _passage(rng):
@@ -262,7 +302,14 @@ def _passage(rng):
     )
     who, city = (a, ca) if rng.random() < 0.5 else (b, cb)
     q = f"In which city does {who} live now? Answer with the city only."
-    return [story], q, city, None
+    return Spec([story], q, (city,), haystack="grammar")
 
 
-_BUILDERS = {"needle": _needle, "multikey": _multikey, "kv": _kv, "tracing": _tracing, "passage": _passage}
+_BUILDERS = {
+    "needle": _needle,
+    "multikey": _multikey,
+    "kv": _kv,
+    "tracing": _tracing,
+    "passage": _passage,
+    **text_ruler.BUILDERS,
+}

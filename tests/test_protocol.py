@@ -251,5 +251,6 @@ def test_text_only_files_leave_the_image_dimension_undecided(tmp_path):
     summary = json.loads((out / "protocol.json").read_text())
     assert summary["text"]["adopted"] and summary["text"]["preset"] == "vlcache_text"
     assert summary["image"]["note"] == NO_IMAGE_EVIDENCE and not summary["image"]["decided"]
+    assert summary["image"]["members"] == [] and summary["image"]["candidates"] == []
     md = (out / "protocol.md").read_text()
     assert NO_IMAGE_EVIDENCE in md and "No image member in these files: not measured." in md

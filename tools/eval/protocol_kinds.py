@@ -152,7 +152,7 @@ def decide_image(train: dict, heldout: dict, text_adopted: bool, budgets=BUDGETS
     current = current_label(train)
     counted = counting(train)
     images = [n for n in counted if not is_text(n)]
-    names = images if text_adopted else counted
+    names = images if text_adopted or not images else counted
     configs = configs_of(train) or configs_of(heldout)
     own = preset_of(configs.get(current, {}))
     labels = [x for x in candidates(train, names) if preset_of(configs.get(x, {})) == own] if images else []

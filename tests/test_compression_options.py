@@ -190,14 +190,15 @@ def test_layer_share_keeps_in_every_layer_what_one_layer_looks_up():
         get_policy("vlcache", layer_share=1.5)
 
 
-def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone():
+@pytest.mark.parametrize("name", ["vlcache_text", "vlcache_text_lowbudget"])
+def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone(name):
     from vlkv.common.compression import policy_from_dict, preset
 
     m, layers = 120, 3
     policy, plain, lookup = (
-        get_policy("vlcache", text_preset="vlcache_text"),
+        get_policy("vlcache", text_preset=name),
         get_policy("vlcache"),
-        preset("vlcache_text"),
+        preset(name),
     )
     assert policy.query_start(m, m) == lookup.query_start(m, m) == m - 16 != plain.query_start(m, m)
     assert policy.query_start(m, 20) == plain.query_start(m, 20) == m - 20

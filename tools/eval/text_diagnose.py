@@ -7,20 +7,32 @@ and the accuracy of given rows at given budgets. A row's params may carry ``"inj
 policy's selection with the needle's tokens forced into those layers (its lowest-scored kept tokens make
 room; the windows are kept as they are), to see which layers the answer needs.
 
+``--decompose NAME JSON`` (a policy and its params, e.g. ``vlcache '{"text_preset": "vlcache_text"}'``) splits
+a loss between the layer budgets, the windows and the scores: per budget, the right answers of the policy,
+of the policy at the oracle's own layer budgets (``oracle.mass_budgets``, the same total), of the policy's
+windows and budgets with the oracle's answer attention as the scores of the rest, and of the oracle at the
+policy's budgets and at its own; then per layer the budget, the slots the windows and sinks take
+(``fixed``), and in how many items the policy / the oracle at the same budget keep each needle token (in
+any KV head).
+
     python -m vlkv.tools.eval.text_diagnose -n 16 --ranks --budgets 0.02,0.05,0.1 [--rows JSON] [--no-oracle]
+    python -m vlkv.tools.eval.text_diagnose -n 16 --budgets 0.01,0.02 --decompose vlcache '{"text_preset": "vlcache_text"}'
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 
 import torch
+from vlkv.common.compression.presets import preset_params
 from vlkv.common.compression.registry import get_policy
+from vlkv.common.compression.selection import recent_count
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.tools.eval.evaluation import prepare
-from vlkv.tools.eval.oracle import answer_attention
+from vlkv.tools.eval.oracle import answer_attention, mass_budgets, oracle_cache
 from vlkv.tools.eval.zoo_scoring import full_answers, score_rows
 from vlkv.tools.eval.zoo_text import TextTask, load_text_model
 from vlkv.tools.zoo import text_suite as ts
@@ -80,6 +92,7 @@ def main() -> None:
     ap.add_argument("--policy", default="vlcache", help="whose scores --ranks reads")
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--split", default="train", help="train (choosing) or heldout (measuring only)")
+    ap.add_argument("--decompose", nargs=2, metavar=("POLICY", "JSON"), help="budgets / windows / scores")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, processor = load_text_model()
@@ -92,7 +105,12 @@ def main() -> None:
     if args.ranks:
         _print_ranks(model, prepared, ids, positions, args.policy)
     budgets = [float(b) for b in args.budgets.split(",")]
+    if args.decompose:
+        policy = get_policy(args.decompose[0], **json.loads(args.decompose[1]))
+        _decompose(model, processor, task, prepared, ids, positions, policy, budgets)
+        return
     rows = json.loads(args.rows) if args.rows else [["vlcache", "vlcache", {}], ["snapkv", "snapkv", {}]]
+    rows = [[label, name, _expand(params)] for label, name, params in rows]
     plain = [r for r in rows if "inject" not in r[2]]
     right = score_rows(
         model, processor, prepared, ids, plain, budgets, task.max_new_tokens, oracle=not args.no_oracle
@@ -112,6 +130,105 @@ def main() -> None:
             _, answers = decode(caches)
             line.append(sum(task.is_correct(a, it) for a, it in zip(answers, items, strict=True)))
         print(f"{label:50s}", " ".join(f"{x:3d}" for x in line), flush=True)
+
+
+def _expand(params: dict) -> dict:
+    """A row's params; ``"preset": NAME`` stands for that preset's fields, the row's other keys overriding
+    them (``{"preset": "vlcache_text", "recent_ratio": 0.0}``)."""
+    params = dict(params)
+    name = params.pop("preset", "")
+    return preset_params(name) | params if name else params
+
+
+def _caches(prep, policy, budget, att, oracle_budgets=False, oracle_scores=False) -> CompactKV:
+    """The policy's cache of one prepared prompt; ``oracle_budgets``: at ``mass_budgets`` of the answer
+    attention ``att`` (the policy's total); ``oracle_scores``: the policy's windows and sinks, its other
+    slots by ``att`` (no pooling, spans or sharing)."""
+    policy = policy.for_prompt(prep.m, prep.tau)
+    m, layers = prep.m, len(prep.keys)
+    stats = prep.stats(policy.query_start(m, prep.tau), 0.01)
+    tau = policy.observed_tau(m, prep.tau)
+    budgets = policy.allocate(stats, budget, m, layers)
+    if oracle_budgets:
+        budgets = mass_budgets(att, sum(budgets))
+    if oracle_scores:
+        kept = [
+            policy.select(a, k, tau) if k < m else torch.arange(m).repeat(a.shape[0], 1)
+            for a, k in zip(att, budgets, strict=True)
+        ]
+    else:
+        fixed = copy.copy(policy)
+        fixed.allocate = lambda *_: list(budgets)  # this copy's budgets, whatever its allocator
+        kept = fixed.plan(stats, prep.keys, prep.values, alpha=budget, m=m, tau=prep.tau)
+    out_k, out_v = [], []
+    for idx, keys, values in zip(kept, prep.keys, prep.values, strict=True):
+        gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        out_k.append(keys.gather(1, gather))
+        out_v.append(values.gather(1, gather))
+    return CompactKV(out_k, out_v, prompt_length=m, first_token=prep.first_token, kept_indices=kept)
+
+
+def fixed_slots(policy, k: int, m: int, tau: int) -> int:
+    """How many of a layer's ``k`` slots the policy fills before any scored token (its windows and sinks;
+    ``selection.keep``'s arithmetic)."""
+    recent = recent_count(k, policy.recent_ratio)
+    window = policy.post_vision_share(k, m) if policy.post_vision_window else 0
+    window = min(tau, window) if 0 < tau < m else 0
+    if policy.post_vision_by_score and 0 < window < tau:
+        outright = window + min(recent, k - window, m - tau)
+    else:
+        outright = min(k, window + recent)
+    return outright + min(policy.sink_tokens, k - outright)
+
+
+def _decompose(model, processor, task, prepared, ids, positions, policy, budgets) -> None:
+    from vlkv.tools.eval.zoo_scoring import _decode_unique, _decoder
+
+    decode = _decoder(model, processor, task.max_new_tokens, 600)
+    att = [answer_attention(model, p, a) for p, a in zip(prepared, ids, strict=True)]
+    n, layers = len(prepared), len(prepared[0].keys)
+    for b in budgets:
+        rows = {
+            "policy": [_caches(p, policy, b, a) for p, a in zip(prepared, att, strict=True)],
+            "policy, oracle's budgets": [
+                _caches(p, policy, b, a, True) for p, a in zip(prepared, att, strict=True)
+            ],
+            "policy's windows, oracle's scores": [
+                _caches(p, policy, b, a, oracle_scores=True) for p, a in zip(prepared, att, strict=True)
+            ],
+        }
+        rows["oracle, policy's budgets"] = [
+            oracle_cache(p, a, c.layer_lengths) for p, a, c in zip(prepared, att, rows["policy"], strict=True)
+        ]
+        rows["oracle, own budgets"] = [
+            oracle_cache(p, a, mass_budgets(a, sum(c.layer_lengths)))
+            for p, a, c in zip(prepared, att, rows["policy"], strict=True)
+        ]
+        answers = _decode_unique(decode, [c for caches in rows.values() for c in caches], n)
+        print(f"budget {b}: right answers of {n}", flush=True)
+        for j, label in enumerate(rows):
+            mine = answers[j * n : (j + 1) * n]
+            right = sum(p.task.is_correct(t, p.example) for p, t in zip(prepared, mine, strict=True))
+            print(f"  {label:40s} {right:3d}", flush=True)
+        active = policy.for_prompt(prepared[0].m, prepared[0].tau)
+        tau = active.observed_tau(prepared[0].m, prepared[0].tau)
+        roles = ("name", "is", "d1", "d2", "d3", "d4", "d5")
+        print("  layer   k fixed " + " ".join(f"{r:>7s}" for r in roles) + "   (items kept: policy/oracle)")
+        for layer in range(layers):
+            k = rows["policy"][0].layer_lengths[layer]
+            cells = []
+            for r in roles:
+                pol = sum(
+                    int(pos[r] in c.kept_indices[layer])
+                    for c, pos in zip(rows["policy"], positions, strict=True)
+                )
+                ora = sum(
+                    int(pos[r] in c.kept_indices[layer])
+                    for c, pos in zip(rows["oracle, policy's budgets"], positions, strict=True)
+                )
+                cells.append(f"{pol:>3d}/{ora:<3d}")
+            fixed = fixed_slots(active, k, prepared[0].m, tau) if k < prepared[0].m else k
+            print(f"  {layer:5d} {k:3d} {fixed:5d} " + " ".join(cells), flush=True)
 
 
 def _print_ranks(model, prepared, ids, positions, policy_name) -> None:

@@ -60,6 +60,11 @@ ABLATION = (
     ("chunks of 10 tokens (ChunkKV)", "vlcache", {"chunk_size": 10}),
     ("preset vlcache_lookup (spans, shared layers, sinks)", "vlcache", preset_params("vlcache_lookup")),
     ("text-only prompts: preset vlcache_text", "vlcache", {"text_preset": "vlcache_text"}),
+    (
+        "text-only prompts: preset vlcache_text_lowbudget",
+        "vlcache",
+        {"text_preset": "vlcache_text_lowbudget"},
+    ),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

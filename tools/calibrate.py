@@ -67,6 +67,7 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("text window: 8", {**_VL, "text_window": 8}),
     ("text-only: preset vlcache_text", {**_VL, "text_preset": "vlcache_text"}),
     ("text-only: preset vlcache_lookup", {**_VL, "text_preset": "vlcache_lookup"}),
+    ("text-only: preset vlcache_text_lowbudget", {**_VL, "text_preset": "vlcache_text_lowbudget"}),
     ("snapkv", {"policy": "snapkv"}),
     ("pyramidkv", {"policy": "pyramidkv"}),
 )

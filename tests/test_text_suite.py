@@ -116,6 +116,6 @@ def test_ruler_tasks_leave_room_for_their_longer_answers():
     assert ts.max_new_tokens("niah_multiquery") > ts.max_new_tokens("niah_single_1")
 
 
-def test_the_default_run_takes_the_tasks_the_model_can_do():
-    assert "needle" in ts.DEFAULT_TASKS and set(ts.DEFAULT_TASKS) < set(ts.TASKS)
-    assert not {"multikey", "kv", "tracing", "passage", "niah_word", "vt_1hop"} & set(ts.DEFAULT_TASKS)
+def test_the_default_run_takes_tasks_the_model_can_do():
+    assert "needle" in ts.DEFAULT_TASKS and set(ts.DEFAULT_TASKS) <= set(ts.PASSING_TASKS) < set(ts.TASKS)
+    assert not {"multikey", "kv", "tracing", "passage", "niah_word", "vt_1hop"} & set(ts.PASSING_TASKS)

@@ -657,8 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--text-tasks",
         default="",
-        help="--zoo: comma-separated text tasks (default: those the model does with the full cache, "
-        "text_suite.DEFAULT_TASKS)",
+        help="--zoo: comma-separated text tasks (default: text_suite.DEFAULT_TASKS, three the model does "
+        "with the full cache)",
     )
     p.add_argument(
         "--rows", default="", help="--zoo --ablation: only these ABLATION rows (labels, `|`-separated)"

@@ -89,6 +89,13 @@ def _smol_objects(examples: list[Example]) -> None:
         assert (obj.shape if ex.kind == "colour_of_shape" else obj.colour) in ex.question
 
 
+def _smol_codes(examples: list[Example]) -> None:
+    for ex in examples:
+        ((_, obj),) = ex.focus
+        assert len(ex.images) == 1 and ex.answer == f"The {obj.colour} {obj.shape} has code {ex.target}"
+        assert f"The {obj.colour} {obj.shape} has code {ex.target}." in ex.question  # the text holds the code
+
+
 @dataclass(frozen=True)
 class Row:
     """What one member's task and checkpoint must show."""
@@ -121,6 +128,7 @@ ROWS = {
     ),
     "deep8": Row(_deep8, ((336, 336),), (576,), 8, model_check=_deep8_sparsity),
     "smol_objects": Row(_smol_objects, ((196, 196),), (196,), 30, 20, (10, 30), api=True, pool_mb=64),
+    "smol_codes": Row(_smol_codes, ((196, 196),), (196,), 30, 20, (500, 600), api=True, pool_mb=64),
 }
 
 

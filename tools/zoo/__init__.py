@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vlkv.tools.zoo.interface import Member
 
-MEMBERS = ("default", "grid16", "longprompt", "next_anyres", "deep8", "smol_objects")
+MEMBERS = ("default", "grid16", "longprompt", "next_anyres", "deep8", "smol_objects", "smol_codes")
 """Every member, the default model first."""
 
 

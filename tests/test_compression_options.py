@@ -190,7 +190,9 @@ def test_layer_share_keeps_in_every_layer_what_one_layer_looks_up():
         get_policy("vlcache", layer_share=1.5)
 
 
-@pytest.mark.parametrize("name", ["vlcache_text", "vlcache_text_lowbudget"])
+@pytest.mark.parametrize(
+    "name", ["vlcache_text", "vlcache_text_lowbudget", "vlcache_lookup", "vlcache_text_span"]
+)
 def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone(name):
     from vlkv.common.compression import policy_from_dict, preset
 
@@ -200,7 +202,10 @@ def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone
         get_policy("vlcache"),
         preset(name),
     )
-    assert policy.query_start(m, m) == lookup.query_start(m, m) == m - 16 != plain.query_start(m, m)
+    window = lookup.text_window
+    assert policy.query_start(m, m) == lookup.query_start(m, m) == m - window
+    if window != plain.text_window:
+        assert policy.query_start(m, m) != plain.query_start(m, m)
     assert policy.query_start(m, 20) == plain.query_start(m, 20) == m - 20
     gen = torch.Generator().manual_seed(3)
     keys = [torch.randn(2, m, 4, generator=gen) for _ in range(layers)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from vlkv.common.compression import get_policy, policy_from_dict, preset
 from vlkv.common.compression.allocators import Pyramid
@@ -66,4 +67,56 @@ def test_lowbudget_has_an_ablation_row_the_protocol_reads_as_a_text_preset():
     rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
     label = "text-only prompts: preset vlcache_text_lowbudget"
     assert rows[label] == {"policy": "vlcache", "params": {"text_preset": "vlcache_text_lowbudget"}}
+    assert label in text_rows(rows, "vlcache (defaults)")
+
+
+QUESTION_KEY = M - 20  # the question names the key 20 tokens before the prompt's end (a RULER-style question)
+LONG_VALUE = range(KEY + 1, KEY + 13)  # "is", ":", " " and a 7-digit number, one token each, and a "."
+
+
+def _rows_stats(policy, layers: int = LAYERS) -> list[SimpleNamespace]:
+    """Statistics over ``policy``'s own query rows of a text-only prompt: the row of the question's key
+    (``QUESTION_KEY``) looks up ``KEY`` in the context; every row also attends to the sinks, a little (kept
+    outright anyway), and to itself."""
+    q0 = policy.query_start(M, M)
+    attn = torch.zeros(2, M - q0, M)
+    attn[:, :, :4] = 0.01
+    for r, i in enumerate(range(q0, M)):
+        attn[:, r, i] = 0.5
+        if i == QUESTION_KEY:
+            attn[:, r, KEY] = 0.7
+    return [_stats(attn.sum(dim=1), M - q0) for _ in range(layers)]
+
+
+def _kept_value(name: str, alpha: float) -> list[int]:
+    policy = get_policy("vlcache", text_preset=name)
+    keys = [torch.zeros(1, M, 4)] * LAYERS
+    plan = policy.plan(_rows_stats(policy.for_prompt(M, M)), keys, keys, alpha=alpha, m=M, tau=M)
+    return [sum(v in k[0].tolist() for v in LONG_VALUE) for k in plan]
+
+
+def test_text_span_keeps_a_long_value_the_question_looks_up_outside_a_16_token_window():
+    # vlcache_lookup's 16-row window ends after the question's key: no row of it looks up the value
+    assert _kept_value("vlcache_lookup", 0.05) == [0] * LAYERS
+    # vlcache_text_span's 24 rows hold the key's row, and its 16-token spans carry all 12 tokens after KEY
+    assert _kept_value("vlcache_text_span", 0.05) == [len(LONG_VALUE)] * LAYERS
+
+
+def test_text_span_is_vlcache_lookup_with_a_question_sized_window_and_longer_spans():
+    lookup, span = preset("vlcache_lookup"), preset("vlcache_text_span")
+    assert (span.text_window, span.span_after) == (24, 16)
+    assert (lookup.text_window, lookup.span_after) == (16, 8)
+    same = {k: v for k, v in span.to_dict().items() if k not in ("text_window", "span_after")}
+    assert same == {k: v for k, v in lookup.to_dict().items() if k not in ("text_window", "span_after")}
+    assert policy_from_dict(span.to_dict()) == span
+
+
+@pytest.mark.parametrize("name", ["vlcache_lookup", "vlcache_text_span"])
+def test_text_preset_rows_the_protocol_reads_as_text_presets(name):
+    from vlkv.tools.eval.protocol_kinds import text_rows
+    from vlkv.tools.eval.zoo import ABLATION
+
+    rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
+    label = f"text-only prompts: preset {name}"
+    assert rows[label] == {"policy": "vlcache", "params": {"text_preset": name}}
     assert label in text_rows(rows, "vlcache (defaults)")

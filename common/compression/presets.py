@@ -24,6 +24,13 @@ layer) ``vlcache_text``'s deep layers spend 5-14 slots on the recent window, sin
 few scored slots left go to the looked-up name before the value that follows it; on the training split
 (needle 1K, n = 50) this keeps 49 of 50 at 2% (``vlcache_text`` 0) and 49 / 47 at 5 / 10% (50 / 48);
 held-out (n = 50) 0.94 / 0.98 / 0.98 at 2 / 5 / 10% (``vlcache_text`` 0.00 / 0.98 / 1.00).
+
+``vlcache_text_span``: ``vlcache_lookup`` for text-only prompts whose question is longer than the needle's
+(README "Text-only presets across tasks"): a 24-token observation window (``vlcache_lookup``'s 16 rows end
+after the looked-up key of a RULER question, so none of them looks it up) and 16-token spans (8 reach the
+third digit of "KEY is: 1234567" or of a "3f9a-c27e" code, counted from the key's last token). A wider window
+(32) takes in the context's last tokens as rows, whose local look-ups, each spread 16 forward, crowd the
+value out on ``needle``. Chosen on the training split of all five text tasks (n = 10 each).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ PRESETS["vlcache_text_lowbudget"] = PRESETS["vlcache_text"] | {
     "allocator": {"name": "pyramid", "beta": 2.0},
     "recent_ratio": 0.0,
 }
+PRESETS["vlcache_text_span"] = PRESETS["vlcache_lookup"] | {"text_window": 24, "span_after": 16}
 
 
 def preset(name: str) -> Policy:

@@ -17,6 +17,10 @@ any KV head).
 
     python -m vlkv.tools.eval.text_diagnose -n 16 --ranks --budgets 0.02,0.05,0.1 [--rows JSON] [--no-oracle]
     python -m vlkv.tools.eval.text_diagnose -n 16 --budgets 0.01,0.02 --decompose vlcache '{"text_preset": "vlcache_text"}'
+
+``--task`` (default ``needle``) takes any ``text_suite`` task whose answer is one value in the context (the
+RULER-style ``niah_single_1`` ...): its roles are then the three tokens before the value (``k-3`` .. ``k-1``,
+"is", ":", " " in RULER's needle) and the value's tokens (``v1`` .. ``v9``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,25 @@ def needle_positions(item, processor) -> dict[str, int]:
     return pos
 
 
+VALUE_ROLES = ("k-3", "k-2", "k-1") + tuple(f"v{i}" for i in range(1, 10))
+"""``--task`` other than needle: the three tokens before the value (the looked-up key's end, "is", ":") and
+the value's tokens (up to 9: a 7-digit number, a short code)."""
+
+
+def value_positions(item, processor) -> dict[str, int]:
+    """Token positions of the value's tokens (``v1`` ...) and the three before it (``k-3`` .. ``k-1``) in the
+    rendered prompt, for any task whose answer appears once in the context."""
+    prompt = ts.render(item, processor)
+    enc = processor.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    start = prompt.index(item.answer, 0, prompt.rindex(item.question))
+    end = start + len(item.answer)
+    spans = enc["offset_mapping"]
+    value = [i for i, (a, b) in enumerate(spans) if a < end and b > start and b > a]
+    pos = {f"k-{j}": value[0] - j for j in (3, 2, 1)}
+    pos.update({f"v{i + 1}": p for i, p in enumerate(value[:9])})
+    return pos
+
+
 def ranks(scores: torch.Tensor, positions: dict[str, int]) -> dict[str, list[int]]:
     """Per role, its rank (0 = best) in each KV head's scores ``[H_kv, m]``."""
     order = scores.float().argsort(dim=-1, descending=True).argsort(dim=-1)
@@ -92,14 +115,16 @@ def main() -> None:
     ap.add_argument("--policy", default="vlcache", help="whose scores --ranks reads")
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--split", default="train", help="train (choosing) or heldout (measuring only)")
+    ap.add_argument("--task", default="needle", help="text_suite task (RULER-style ones: the value's tokens)")
     ap.add_argument("--decompose", nargs=2, metavar=("POLICY", "JSON"), help="budgets / windows / scores")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, processor = load_text_model()
-    task = TextTask("needle", 1024, processor.tokenizer)
+    task = TextTask(args.task, 1024, processor.tokenizer, max_new_tokens=ts.max_new_tokens(args.task))
     items = task.make_examples(args.n, 0, args.split)
     prepared = prepare(model, processor, items, progress=False, task=task)
-    positions = [needle_positions(it, processor) for it in items]
+    locate = needle_positions if args.task == "needle" else value_positions
+    positions = [locate(it, processor) for it in items]
     ids, full = full_answers(model, processor, prepared, task.max_new_tokens)
     print("full", sum(full["full"]["1.0"]), "of", len(items), flush=True)
     if args.ranks:
@@ -212,18 +237,18 @@ def _decompose(model, processor, task, prepared, ids, positions, policy, budgets
             print(f"  {label:40s} {right:3d}", flush=True)
         active = policy.for_prompt(prepared[0].m, prepared[0].tau)
         tau = active.observed_tau(prepared[0].m, prepared[0].tau)
-        roles = ("name", "is", "d1", "d2", "d3", "d4", "d5")
+        roles = [r for r in ("name", "is", "d1", "d2", "d3", "d4", "d5", *VALUE_ROLES) if r in positions[0]]
         print("  layer   k fixed " + " ".join(f"{r:>7s}" for r in roles) + "   (items kept: policy/oracle)")
         for layer in range(layers):
             k = rows["policy"][0].layer_lengths[layer]
             cells = []
             for r in roles:
                 pol = sum(
-                    int(pos[r] in c.kept_indices[layer])
+                    int(r in pos and pos[r] in c.kept_indices[layer])
                     for c, pos in zip(rows["policy"], positions, strict=True)
                 )
                 ora = sum(
-                    int(pos[r] in c.kept_indices[layer])
+                    int(r in pos and pos[r] in c.kept_indices[layer])
                     for c, pos in zip(rows["oracle, policy's budgets"], positions, strict=True)
                 )
                 cells.append(f"{pol:>3d}/{ora:<3d}")
@@ -247,11 +272,12 @@ def _print_ranks(model, prepared, ids, positions, policy_name) -> None:
             for role, r in ranks(att[layer], pos).items():
                 ora[layer].setdefault(role, []).append(min(r))
     print("median rank (best KV head) of each needle token, policy / oracle, per layer")
-    print("layer " + " ".join(f"{r:>9s}" for r in ROLES))
+    roles = list(positions[0])
+    print("layer " + " ".join(f"{r:>9s}" for r in roles))
     for layer in range(layers):
         cells = [
             f"{int(torch.tensor(pol[layer][r]).median()):>4d}/{int(torch.tensor(ora[layer][r]).median()):<4d}"
-            for r in ROLES
+            for r in roles
         ]
         print(f"{layer:5d} " + " ".join(cells), flush=True)
 

@@ -65,6 +65,8 @@ ABLATION = (
         "vlcache",
         {"text_preset": "vlcache_text_lowbudget"},
     ),
+    ("text-only prompts: preset vlcache_lookup", "vlcache", {"text_preset": "vlcache_lookup"}),
+    ("text-only prompts: preset vlcache_text_span", "vlcache", {"text_preset": "vlcache_text_span"}),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

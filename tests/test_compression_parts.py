@@ -120,9 +120,11 @@ def test_presets_are_policies_and_the_paper_preset_is_the_zoo_before_row():
 
 
 def test_text_only_prompts_use_an_observation_window():
-    """No vision tokens (tau = m): the last 32 rows score the rest and are kept like a question."""
+    """No vision tokens (tau = m), no text preset: the last 32 rows score the rest and are kept like a
+    question (by default the preset vlcache_text_span does that with 24 rows)."""
     m, k = 200, 40
-    policy = get_policy("vlcache")
+    assert get_policy("vlcache").query_start(m, m) == m - preset("vlcache_text_span").text_window == m - 24
+    policy = get_policy("vlcache", text_preset="")
     assert policy.text_window == 32 and policy.query_start(m, m) == m - 32
     assert preset("vlcache_paper").query_start(m, m) == 0  # the paper: every row is post-vision
     assert policy.query_start(20, 20) == 0  # a prompt shorter than the window: every row

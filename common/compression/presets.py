@@ -49,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "post_vision_by_score": False,
         "pool_kernel": 1,
         "text_window": 0,
+        "text_preset": "",
     },
     "vlcache_default": {"policy": "vlcache"},
     "vlcache_lookup": {
@@ -61,6 +62,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "post_vision_by_score": True,
         "row_normalized": True,
         "text_window": 16,
+        "text_preset": "",  # compresses every prompt itself (a text preset cannot name another)
     },
 }
 PRESETS["vlcache_text"] = PRESETS["vlcache_lookup"] | {"allocator": {"name": "pyramid", "beta": 4.0}}

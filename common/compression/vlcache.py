@@ -3,7 +3,9 @@
 Statistics: rows ``m - tau .. m-1`` (the language tokens after the last vision token); with tau = 0 the
 last ``min(m, 8)`` rows (see ``selection.post_vision_start``). A text-only prompt (tau = m) has no
 post-vision text to tell it apart from the rest: its last ``text_window`` (32) tokens take that role, as
-SnapKV's observation window (they score the rest and are kept outright, up to the window's cap).
+SnapKV's observation window (they score the rest and are kept outright, up to the window's cap), when
+``text_preset`` is "". By default a text-only prompt goes to the preset ``vlcache_text_span`` (protocol v2.1,
+``common/compression/README.md``): a 24-row observation window, 16-token spans after what it looks up.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ class VLCachePolicy(Policy):
     post-vision window keeps the question's last tokens (up to half the budget), scores are max-pooled over
     3 positions, and layer budgets decrease gently with depth (``Pyramid(beta=4.0)``). Algorithm 1 on the
     post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is ``allocator=Sparsity()``; the paper's
-    policy as first shipped is the preset ``vlcache_paper`` (``presets.py``). Text-only prompts: a 32-token
-    observation window (SnapKV's paper default), kept outright like a question.
+    policy as first shipped is the preset ``vlcache_paper`` (``presets.py``). Text-only prompts (no image):
+    the preset ``vlcache_text_span`` (``text_preset``, chosen per prompt kind by protocol v2.1 on five text
+    tasks); with ``text_preset=""`` a 32-token observation window (SnapKV's paper default), kept outright like
+    a question.
     """
 
     name = "vlcache"
@@ -32,3 +36,4 @@ class VLCachePolicy(Policy):
     pool_kernel: int = 3
     post_vision_window: bool = True
     text_window: int = 32
+    text_preset: str = "vlcache_text_span"

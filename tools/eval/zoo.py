@@ -74,8 +74,9 @@ ABLATION = (
     ("allocator: cake", "vlcache", {"allocator": "cake"}),
     ("allocator: pyramid, beta 2", "vlcache", {"pyramid_beta": 2.0}),
     ("allocator: pyramid, beta 20 (PyramidKV's)", "vlcache", {"pyramid_beta": 20.0}),
-    ("text window: off (every row, the paper's)", "vlcache", {"text_window": 0}),
-    ("text window: 8 rows", "vlcache", {"text_window": 8}),
+    ("text-only prompts: no preset (the 32-row text window)", "vlcache", {"text_preset": ""}),
+    ("text window: off (every row, the paper's)", "vlcache", {"text_preset": "", "text_window": 0}),
+    ("text window: 8 rows", "vlcache", {"text_preset": "", "text_window": 8}),
     ("snapkv (baseline)", "snapkv", {}),
     ("pyramidkv (baseline)", "pyramidkv", {}),
 )

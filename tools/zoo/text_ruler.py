@@ -66,10 +66,11 @@ def key(rng: random.Random) -> str:
     return "-".join(rng.sample(KEY_WORDS, 2))
 
 
-def keys(rng: random.Random, k: int) -> list[str]:
+def distinct(draw: Callable[[random.Random], str], rng: random.Random, k: int) -> list[str]:
+    """``k`` different values of ``draw(rng)``, in the order drawn (repeats are drawn again)."""
     out: list[str] = []
     while len(out) < k:
-        new = key(rng)
+        new = draw(rng)
         if new not in out:
             out.append(new)
     return out
@@ -77,15 +78,6 @@ def keys(rng: random.Random, k: int) -> list[str]:
 
 def number(rng: random.Random, digits: int = 7) -> str:
     return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
-
-
-def numbers(rng: random.Random, k: int) -> list[str]:
-    out: list[str] = []
-    while len(out) < k:
-        new = number(rng)
-        if new not in out:
-            out.append(new)
-    return out
 
 
 def code(rng: random.Random) -> str:
@@ -130,14 +122,14 @@ def niah_code(rng: random.Random) -> Spec:
 
 
 def niah_multikey_1(rng: random.Random, distractors: int = 2) -> Spec:
-    ks, vs = keys(rng, distractors + 1), numbers(rng, distractors + 1)
+    ks, vs = distinct(key, rng, distractors + 1), distinct(number, rng, distractors + 1)
     i = rng.randrange(len(ks))
     facts = [needle(a, b) for a, b in zip(ks, vs, strict=True)]
     return Spec(facts, ask(ks[i]), (vs[i],), tuple(v for j, v in enumerate(vs) if j != i))
 
 
 def niah_multivalue(rng: random.Random, values: int = 2) -> Spec:
-    k, vs = key(rng), numbers(rng, values)
+    k, vs = key(rng), distinct(number, rng, values)
     q = (
         f"What are all the special magic numbers for {k} mentioned in the provided text? "
         "Answer with the numbers only."
@@ -146,7 +138,7 @@ def niah_multivalue(rng: random.Random, values: int = 2) -> Spec:
 
 
 def niah_multiquery(rng: random.Random, queries: int = 2) -> Spec:
-    ks, vs = keys(rng, queries), numbers(rng, queries)
+    ks, vs = distinct(key, rng, queries), distinct(number, rng, queries)
     q = (
         f"What are all the special magic numbers for {' and '.join(ks)} mentioned in the provided text? "
         "Answer with the numbers only."

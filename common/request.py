@@ -358,26 +358,37 @@ def compression_from_proto(pb: generate_pb2.CompressionParams) -> CompressionSet
     budget = pb.budget if pb.HasField("budget") else DEFAULT_BUDGET
     threshold = pb.threshold if pb.HasField("threshold") else DEFAULT_THRESHOLD
     try:
+        lookahead = int(pb.lookahead) if pb.HasField("lookahead") else None
+        weight = float(pb.lookahead_weight) if pb.HasField("lookahead_weight") else None
         return CompressionSettings(
             pb.policy or DEFAULT_POLICY,
             float(budget),
             float(threshold),
             pb.allocator,
             pb.exact_budget,
-            explicit=bool(pb.policy or pb.allocator or pb.exact_budget),
+            explicit=bool(
+                pb.policy or pb.allocator or pb.exact_budget or lookahead is not None or weight is not None
+            ),
+            lookahead=lookahead,
+            lookahead_weight=weight,
         )
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
 
 
 def compression_to_proto(cfg: CompressionSettings) -> generate_pb2.CompressionParams:
-    return generate_pb2.CompressionParams(
+    pb = generate_pb2.CompressionParams(
         policy=cfg.policy if cfg.explicit else "",  # empty: the server's profile may choose
         budget=cfg.budget,
         threshold=cfg.threshold,
         allocator=cfg.allocator,
         exact_budget=cfg.exact_budget,
     )
+    if cfg.lookahead is not None:
+        pb.lookahead = cfg.lookahead
+    if cfg.lookahead_weight is not None:
+        pb.lookahead_weight = cfg.lookahead_weight
+    return pb
 
 
 def reuse_from_proto(pb: generate_pb2.ReuseParams) -> ReuseSettings:

@@ -4,7 +4,8 @@
 :class:`PreparedRequest` (the gateway already ran the processor and checked the limits), runs the real
 forward once over the whole prompt (the vlkv attention function hands every layer's post-RoPE Q and K to a
 :class:`StatsCollector`, which keeps only the statistics the chosen policy needs), samples the first token
-from the last position's logits, and lets the policy compress each layer's K and V into a
+from the last position's logits (with ``lookahead``, drafts a few greedy tokens over the full cache whose
+attention joins the scores: ``draft_queries.py``), and lets the policy compress each layer's K and V into a
 :class:`CompactKV` (a full cache comes back bitwise unchanged).
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -25,6 +27,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.image_reuse import ImageReuser, ReuseReport
 
@@ -137,6 +140,10 @@ class PrefillEngine:
         except NonFiniteLogits as exc:  # from this request's own inputs (its image, its ids)
             raise InvalidInput(f"the first token cannot be sampled: {exc.message}") from None
         stats = collector.stats(self.spec.num_layers) if collector is not None else None
+        steps = policy.lookahead_steps(compression.budget, m, tau)
+        if steps and stats is not None:  # lookahead: a greedy draft over the full cache, then discarded
+            draft = run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids)
+            stats = with_draft(stats, draft.col_sums(steps, compression.threshold), draft.rows)
         # A full cache (full policy or budget >= 1) comes back from compress bitwise unchanged.
         with torch.inference_mode():
             ckv = policy.compress(

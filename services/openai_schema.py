@@ -113,6 +113,8 @@ class VlkvOptions(BaseModel):
     threshold: float | None = None
     allocator: str = ""
     exact_budget: bool = False
+    lookahead: int | None = Field(None, ge=0, le=UINT32)  # draft-query scoring (Policy.lookahead)
+    lookahead_weight: float | None = None
     top_k: int | None = Field(None, ge=0, le=UINT32)
     return_token_ids: bool = False  # choices (and stream deltas) carry the generated token ids
     reuse: str = ""  # image cache: "auto" (default) or "off" (ReuseParams)
@@ -268,6 +270,10 @@ def _compression(v: VlkvOptions) -> generate_pb2.CompressionParams:
         c.budget = v.budget
     if v.threshold is not None:
         c.threshold = v.threshold
+    if v.lookahead is not None:
+        c.lookahead = v.lookahead
+    if v.lookahead_weight is not None:
+        c.lookahead_weight = v.lookahead_weight
     return c
 
 

@@ -27,6 +27,8 @@ def build_request(
     threshold: float | None = None,
     allocator: str = "",
     exact_budget: bool = False,
+    lookahead: int | None = None,
+    lookahead_weight: float | None = None,
 ) -> generate_pb2.GenerateRequest:
     """A request with a plain-text ``prompt``, or, with ``question``, a one-turn chat: images then text."""
     sampling = generate_pb2.SamplingParams(stop=list(stop))
@@ -46,6 +48,10 @@ def build_request(
         compression.budget = budget
     if threshold is not None:
         compression.threshold = threshold
+    if lookahead is not None:
+        compression.lookahead = lookahead
+    if lookahead_weight is not None:
+        compression.lookahead_weight = lookahead_weight
     req = generate_pb2.GenerateRequest(
         request_id=request_id, images=list(images), sampling=sampling, compression=compression
     )

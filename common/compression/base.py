@@ -22,6 +22,7 @@ import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 
 from .allocators import Allocator, Uniform, allocator_class
+from .lookahead import mixed_col_sum
 from .selection import (
     TAU0_WINDOW,
     keep,
@@ -34,7 +35,9 @@ from .selection import (
 from .serialize import fields_to_dict
 from .stats import AttentionStatsLike, kept_prompt_scores, num_query_rows, validate_stats
 
-__all__ = ["TAU0_WINDOW", "Policy", "post_vision_start", "recent_count"]
+MAX_LOOKAHEAD = 64  # draft tokens a prefill may decode (each is one decode step over the full cache)
+
+__all__ = ["MAX_LOOKAHEAD", "TAU0_WINDOW", "Policy", "post_vision_start", "recent_count"]
 
 
 @dataclass
@@ -68,6 +71,11 @@ class Policy:
     layer_share: each layer's scores, normalised to sum 1 per KV head, compete with this weight times the best
     normalised score the token gets in any compressed layer and head (``selection.share_layers``): a token
     the question looks up in some layers is kept in the others too (0: each layer on its own).
+    lookahead: draft tokens the prefill worker decodes greedily over the full cache before compressing; their
+    attention over the prompt is mixed into the scores (``lookahead.py``; the drafts are discarded, the decode
+    worker answers from the compressed cache). 0: off (the scores exactly as without the option).
+    lookahead_weight: the draft rows' share of the mixed score, ``(1 - w) * question + w * draft``, each the
+    mean attention per row; the allocator reads the question rows only.
     text_preset: a preset (``presets.py``) that compresses text-only prompts (no vision token, tau >= m) in
     this policy's place, its statistics rows included ("": this policy compresses every prompt; only for
     policies that keep the base ``query_start``, as ``vlcache`` does).
@@ -90,6 +98,8 @@ class Policy:
     span_after: int = 0
     chunk_size: int = 1
     layer_share: float = 0.0
+    lookahead: int = 0
+    lookahead_weight: float = 0.5
     text_preset: str = ""
 
     def __post_init__(self) -> None:
@@ -97,16 +107,22 @@ class Policy:
             self.allocator = allocator_class(self.allocator)()  # ValueError for an unknown name
         if not isinstance(self.allocator, Allocator):
             raise ValueError(f"allocator must be an Allocator or a registered name, got {self.allocator!r}")
-        for name in ("recent_ratio", "post_vision_cap", "layer_share"):
+        for name in ("recent_ratio", "post_vision_cap", "layer_share", "lookahead_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("sink_tokens", "text_window", "span_after"):
+        for name in ("sink_tokens", "text_window", "span_after", "lookahead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.lookahead > MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be at most {MAX_LOOKAHEAD} draft tokens, got {self.lookahead}")
+        if self.lookahead and (not self.scores_need_stats or type(self).score is not Policy.score):
+            raise ValueError(
+                f"lookahead needs the base attention scores; {self.name} scores tokens its own way"
+            )
         if self.text_preset and type(self).query_start is not Policy.query_start:
             raise ValueError(f"text_preset needs the base query rows; {self.name} chooses its own")
         self.text_policy()  # ValueError for an unknown or nested preset
@@ -152,6 +168,12 @@ class Policy:
         text = self.text_policy() if tau >= m else None
         return self if text is None else text
 
+    def lookahead_steps(self, alpha: float, m: int, tau: int) -> int:
+        """Draft tokens the prefill worker decodes for a prompt of ``m`` tokens (``tau`` post-vision) at budget
+        ``alpha``: the prompt's policy's (``for_prompt``) ``lookahead``, 0 when it keeps the full cache."""
+        policy = self.for_prompt(m, tau)
+        return 0 if policy.is_full(alpha) else policy.lookahead
+
     def observed_tau(self, m: int, tau: int) -> int:
         """The post-vision length the policy works with: ``tau``, or ``min(m, text_window)`` for a prompt with
         no vision tokens (``tau >= m``) when ``text_window`` is set."""
@@ -190,16 +212,20 @@ class Policy:
         (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score. With
         ``row_normalized`` each column is divided by the number of those rows that see it; with
         ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV), and with
-        ``span_after`` spread forward (``selection.shape_scores``).
+        ``span_after`` spread forward (``selection.shape_scores``). With ``lookahead`` and statistics that
+        carry draft rows (``lookahead.DraftStats``) the column sums are ``lookahead.mixed_col_sum``'s.
         """
         if stats is None:
             raise ValueError(f"{self.name} scores need attention statistics")
+        mixed = (
+            mixed_col_sum(stats, m, self.lookahead_weight, self.row_normalized) if self.lookahead else None
+        )
         return shape_scores(
-            stats.col_sum,
+            stats.col_sum if mixed is None else mixed,
             m,
             num_query_rows(stats),
             keys.shape[0],
-            row_normalized=self.row_normalized,
+            row_normalized=self.row_normalized and mixed is None,
             pool_kernel=self.pool_kernel,
             span_after=self.span_after,
             sinks=self.sink_tokens,

@@ -71,6 +71,10 @@ PRESETS["vlcache_text_lowbudget"] = PRESETS["vlcache_text"] | {
     "recent_ratio": 0.0,
 }
 PRESETS["vlcache_text_span"] = PRESETS["vlcache_lookup"] | {"text_window": 24, "span_after": 16}
+PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
+    "lookahead": 16,
+    "lookahead_weight": 0.5,
+}
 
 
 def preset(name: str) -> Policy:

@@ -131,7 +131,8 @@ DEFAULT_THRESHOLD = 0.01
 class CompressionSettings:
     """policy: a registered policy name; budget: alpha in (0, 1]; threshold: p in (0, 1);
     allocator: a registered allocator name, "" = the policy's own; exact_budget: Algorithm 1's exact total
-    (``Sparsity(exact=True)``; ignored by the other allocators); explicit: False when the request named no
+    (``Sparsity(exact=True)``; ignored by the other allocators); lookahead / lookahead_weight: the policy's
+    draft-query options (``Policy.lookahead``; None: the policy's own); explicit: False when the request named no
     policy, allocator nor exact budget (the server's compression profile, if any, then chooses the policy:
     ``profile.CompressionProfile.policy_for``)."""
 
@@ -141,6 +142,8 @@ class CompressionSettings:
     allocator: str = ""
     exact_budget: bool = False
     explicit: bool = True
+    lookahead: int | None = None
+    lookahead_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -162,7 +165,14 @@ class CompressionSettings:
 
     def build_policy(self) -> Policy:
         """The configured policy (allocator override and ``exact_budget`` applied)."""
-        return get_policy(self.policy, allocator=self.allocator or None, exact_budget=self.exact_budget)
+        extra = {
+            k: v
+            for k, v in (("lookahead", self.lookahead), ("lookahead_weight", self.lookahead_weight))
+            if v is not None
+        }
+        return get_policy(
+            self.policy, allocator=self.allocator or None, exact_budget=self.exact_budget, **extra
+        )
 
     def layer_tokens_estimate(self, m: int, num_layers: int) -> list[int]:
         """Per-layer kept tokens for admission, before the prefill: m when full, else ``ceil(budget * m)``

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -31,6 +32,7 @@ from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.prefill_worker.draft_queries import Draft, run_draft
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.tools.progress import progress as track
 from vlkv.tools.task import synthetic_task
@@ -70,7 +72,10 @@ class Prepared:
     next_attention: list[torch.Tensor]  # per layer [H, m]: the first decoding token's attention
     scale: float
     task: Any = field(default=synthetic_task, repr=False)
+    model: Any = field(default=None, repr=False)  # for lookahead's draft (``draft``)
+    eos: tuple[int, ...] = ()
     _stats: dict = field(default_factory=dict, repr=False)
+    _draft: Draft | None = field(default=None, repr=False)
 
     def stats(self, q0: int, threshold: float) -> list:
         key = (q0, threshold)
@@ -80,6 +85,18 @@ class Prepared:
                 for q, k in zip(self.q, self.keys, strict=True)
             ]
         return self._stats[key]
+
+    def draft(self, steps: int) -> Draft:
+        """The greedy draft lookahead scoring reads (``prefill_worker/draft_queries.run_draft``, as the prefill
+        worker runs it), run again only when more steps are asked for than ran (a step does not depend on
+        the ones after it: a K-step draft is the first K rows of a longer one) and the draft did not end."""
+        d = self._draft
+        ended = d is not None and (self.first_token in self.eos or d.tokens[-1:] and d.tokens[-1] in self.eos)
+        if d is None or (d.rows < steps and not ended):
+            if self.model is None:
+                raise ValueError("lookahead needs the model: prepare() records it")
+            self._draft = run_draft(self.model, self.keys, self.values, self.first_token, steps, self.eos)
+        return self._draft
 
 
 @torch.inference_mode()
@@ -116,7 +133,22 @@ def prepare(
         q = [rec.q[layer] for layer in range(spec.num_layers)]
         m = inputs.modality.m
         nxt = _next_attention(model, keys, values, first, m) if next_attention else []
-        out.append(Prepared(ex, m, inputs.modality.tau, first, q, keys, values, nxt, rec.scale, task))
+        out.append(
+            Prepared(
+                ex,
+                m,
+                inputs.modality.tau,
+                first,
+                q,
+                keys,
+                values,
+                nxt,
+                rec.scale,
+                task,
+                model,
+                spec.eos_token_ids,
+            )
+        )
     return out
 
 
@@ -147,6 +179,10 @@ def compress(prep: Prepared, policy_name: str, budget: float, threshold: float =
     policy = get_policy(policy_name, **params)
     needs_stats = policy.requires_stats and not policy.is_full(budget)  # full: the cache comes back unchanged
     stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if needs_stats else None
+    steps = policy.lookahead_steps(budget, prep.m, prep.tau)
+    if steps and stats is not None:  # as PrefillEngine.run: the draft rows' attention beside the question's
+        draft = prep.draft(steps)
+        stats = with_draft(stats, draft.col_sums(steps, threshold), min(steps, draft.rows))
     return policy.compress(
         stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau, first_token=prep.first_token
     )

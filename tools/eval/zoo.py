@@ -77,6 +77,15 @@ ABLATION = (
     ("text-only prompts: no preset (the 32-row text window)", "vlcache", {"text_preset": ""}),
     ("text window: off (every row, the paper's)", "vlcache", {"text_preset": "", "text_window": 0}),
     ("text window: 8 rows", "vlcache", {"text_preset": "", "text_window": 8}),
+    ("lookahead 8 (w 0.5)", "vlcache", {"lookahead": 8, "lookahead_weight": 0.5}),
+    ("lookahead 16 (w 0.5)", "vlcache", {"lookahead": 16, "lookahead_weight": 0.5}),
+    ("lookahead 8 (w 1.0)", "vlcache", {"lookahead": 8, "lookahead_weight": 1.0}),
+    ("lookahead 16 (w 1.0)", "vlcache", {"lookahead": 16, "lookahead_weight": 1.0}),
+    (
+        "text-only prompts: preset vlcache_text_span + lookahead 16 (w 0.5)",
+        "vlcache",
+        {"text_preset": "vlcache_text_span_lookahead"},
+    ),
     ("snapkv (baseline)", "snapkv", {}),
     ("pyramidkv (baseline)", "pyramidkv", {}),
 )

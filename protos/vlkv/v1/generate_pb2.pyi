@@ -91,18 +91,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CompressionParams(_message.Message):
-    __slots__ = ("policy", "budget", "threshold", "allocator", "exact_budget")
+    __slots__ = ("policy", "budget", "threshold", "allocator", "exact_budget", "lookahead", "lookahead_weight")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     EXACT_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     policy: str
     budget: float
     threshold: float
     allocator: str
     exact_budget: bool
-    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., threshold: _Optional[float] = ..., allocator: _Optional[str] = ..., exact_budget: _Optional[bool] = ...) -> None: ...
+    lookahead: int
+    lookahead_weight: float
+    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., threshold: _Optional[float] = ..., allocator: _Optional[str] = ..., exact_budget: _Optional[bool] = ..., lookahead: _Optional[int] = ..., lookahead_weight: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token", "finished")

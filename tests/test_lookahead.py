@@ -1,0 +1,235 @@
+"""Draft-query (lookahead) scoring: off is today's cache bit for bit, the draft is the greedy continuation, the
+served prefill compresses exactly as the in-process evaluation does, and a request can ask for it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+from vlkv.common.compression.lookahead import DraftStats, mixed_col_sum, with_draft
+from vlkv.common.compression.registry import CompressionSettings, get_policy
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.errors import InvalidInput
+from vlkv.common.model.inputs import input_side, prepare_inputs
+from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import PreparedRequest, compression_from_proto, compression_to_proto
+from vlkv.common.sampling import SamplingConfig
+from vlkv.prefill_worker.draft_queries import run_draft
+from vlkv.prefill_worker.engine import PrefillEngine
+from vlkv.tools.client import build_request, generate
+from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
+from vlkv.tools.task.synthetic_task import make_examples, prompt_text
+from vlkv.v1 import generate_pb2
+
+from tests.inproc_cluster import InProcCluster
+
+BUDGET = 0.3
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dirs):
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
+        pool=PoolConfig(pool_bytes=4 << 20),
+        image_cache_mb=0,  # the evaluation always prefills; no reuse on the served side either
+    )
+    cluster = InProcCluster(cfg)
+    examples = make_examples(2, seed=3, split="heldout")
+    side = input_side(cluster.processor)
+    for ex in examples:
+        ex.images = [im.resize((side, side), Image.Resampling.BICUBIC) for im in ex.images]
+    prepared = prepare(cluster.model, cluster.processor, examples, progress=False)
+    yield cluster, examples, prepared
+    cluster.close()
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a.kept_indices, b.kept_indices, strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_lookahead_zero_is_todays_cache_bit_for_bit(setup):
+    _, _, prepared = setup
+    for prep in prepared:
+        _same(compress(prep, "vlcache", BUDGET), compress(prep, "vlcache", BUDGET, lookahead=0))
+        # draft rows handed to a policy with lookahead 0 change nothing either
+        policy = get_policy("vlcache")
+        stats = prep.stats(policy.query_start(prep.m, prep.tau), 0.01)
+        drafted = with_draft(stats, prep.draft(4).col_sums(4), 4)
+        assert all(isinstance(s, DraftStats) for s in drafted)
+        args = dict(alpha=BUDGET, m=prep.m, tau=prep.tau)
+        _same(
+            policy.compress(stats, prep.keys, prep.values, **args),
+            policy.compress(drafted, prep.keys, prep.values, **args),
+        )
+
+
+def test_lookahead_changes_what_is_kept(setup):
+    _, _, prepared = setup
+    changed = [
+        any(
+            not torch.equal(x, y)
+            for x, y in zip(
+                compress(p, "vlcache", BUDGET).kept_indices,
+                compress(p, "vlcache", BUDGET, lookahead=6, lookahead_weight=1.0).kept_indices,
+                strict=True,
+            )
+        )
+        for p in prepared
+    ]
+    assert any(changed)
+
+
+def test_draft_is_the_greedy_continuation(setup):
+    cluster, examples, prepared = setup
+    steps = 5
+    for ex, prep in zip(examples, prepared, strict=True):
+        draft = run_draft(cluster.model, prep.keys, prep.values, prep.first_token, steps, ())
+        inputs = cluster.processor(
+            images=ex.images, text=prompt_text(cluster.processor, ex), return_tensors="pt"
+        )
+        with torch.inference_mode():
+            ref = cluster.model.generate(
+                **inputs, max_new_tokens=steps + 1, do_sample=False, min_new_tokens=steps + 1
+            )
+        ref = ref[0, inputs["input_ids"].shape[1] :].tolist()
+        assert [prep.first_token, *draft.tokens] == ref
+        assert draft.inputs == ref[:steps] and draft.rows == steps
+        assert draft.queries[0].shape[1] == steps and draft.keys[0].shape[1] == prep.m + steps
+        # a shorter draft is the longer one's first rows, bit for bit
+        short = run_draft(cluster.model, prep.keys, prep.values, prep.first_token, 2, ())
+        for a, b in zip(short.col_sums(2), draft.col_sums(2), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_draft_stops_at_eos(setup):
+    cluster, _, prepared = setup
+    prep = prepared[0]
+    assert run_draft(cluster.model, prep.keys, prep.values, prep.first_token, 4, {prep.first_token}).rows == 0
+    for first in range(prep.first_token, prep.first_token + 20):  # a first token whose draft changes token
+        full = run_draft(cluster.model, prep.keys, prep.values, first, 8, ())
+        ends = [i for i, t in enumerate(full.tokens) if t != first and t not in full.tokens[:i]]
+        if ends:
+            break
+    assert ends, "no draft of the tiny model changes token"
+    stop = run_draft(cluster.model, prep.keys, prep.values, first, 8, {full.tokens[ends[0]]})
+    assert stop.tokens == full.tokens[: ends[0] + 1] and stop.rows == ends[0] + 1
+
+
+def test_served_prefill_equals_in_process_compress(setup):
+    cluster, examples, prepared = setup
+    engine = PrefillEngine(cluster.model, ModelSpec.from_model(cluster.model, cluster.processor.tokenizer))
+    for ex, prep in zip(examples, prepared, strict=True):
+        inputs = prepare_inputs(
+            cluster.processor, ex.images, prompt_text(cluster.processor, ex), engine.spec.image_token_id
+        )
+        tensors = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
+        settings = CompressionSettings("vlcache", BUDGET, lookahead=6, lookahead_weight=0.5)
+        req = PreparedRequest("la", inputs.input_ids, tensors, inputs.modality, SamplingConfig(), settings)
+        served = engine.run(req).cache
+        _same(served, compress(prep, "vlcache", BUDGET, lookahead=6, lookahead_weight=0.5))
+
+
+def test_request_with_lookahead_through_the_public_api(setup):
+    cluster, examples, prepared = setup
+    eos = cluster.processor.tokenizer.eos_token_id
+    caches = [compress(p, "vlcache", BUDGET, lookahead=6, lookahead_weight=1.0) for p in prepared]
+    outs = decode_batch(cluster.model, caches, 6, {eos})
+    for ex, out in zip(examples, outs, strict=True):
+        req = build_request(
+            images=[_png(i) for i in ex.images],
+            question=ex.question,
+            max_new_tokens=6,
+            policy="vlcache",
+            budget=BUDGET,
+            lookahead=6,
+            lookahead_weight=1.0,
+        )
+        served = generate(cluster.stub, req, timeout=60)
+        assert served.token_ids == [t for t in out if t != eos]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"lookahead": -1}, "lookahead must be >= 0"),
+        ({"lookahead": 65}, "lookahead must be at most 64"),
+        ({"lookahead_weight": -0.1}, "lookahead_weight must be in [0, 1]"),
+        ({"lookahead_weight": 1.5}, "lookahead_weight must be in [0, 1]"),
+    ],
+)
+def test_bad_options_are_refused_clearly(params, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        get_policy("vlcache", **params)
+    with pytest.raises(ValueError, match="lookahead"):
+        CompressionSettings("vlcache", 0.1, **params)
+
+
+def test_lookahead_needs_the_base_scores():
+    with pytest.raises(ValueError, match="streamingllm scores tokens its own way"):
+        get_policy("streamingllm", lookahead=4)
+    get_policy("snapkv", lookahead=4)  # the base score, pooled
+
+
+def test_proto_round_trip_and_bad_values():
+    settings = CompressionSettings("vlcache", 0.05, lookahead=16, lookahead_weight=0.25)
+    back = compression_from_proto(compression_to_proto(settings))
+    assert (back.lookahead, back.lookahead_weight) == (16, 0.25)
+    assert back.build_policy().lookahead == 16
+    unset = compression_from_proto(generate_pb2.CompressionParams(policy="vlcache"))
+    assert unset.lookahead is None and unset.build_policy().lookahead == get_policy("vlcache").lookahead
+    with pytest.raises(InvalidInput, match="lookahead must be at most 64"):
+        compression_from_proto(generate_pb2.CompressionParams(lookahead=1000))
+    with pytest.raises(InvalidInput, match="lookahead_weight"):
+        compression_from_proto(generate_pb2.CompressionParams(lookahead=4, lookahead_weight=2.0))
+
+
+def test_policy_dict_round_trip():
+    from vlkv.common.compression.registry import policy_from_dict
+
+    policy = get_policy("vlcache", lookahead=8, lookahead_weight=1.0)
+    data = policy.to_dict()
+    assert data["lookahead"] == 8 and data["lookahead_weight"] == 1.0
+    assert policy_from_dict(data) == policy
+
+
+def test_mixed_scores_are_each_sources_mean_attention_per_row():
+    m, heads = 6, 2
+    base = _Stats(torch.tensor([[3.0, 1.0, 0.0, 0.0, 0.0, 0.0]] * heads), tq=4)
+    draft = torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0, 0.0]] * heads)
+    stats = DraftStats(base, draft, 2)
+    mixed = mixed_col_sum(stats, m, 0.5, row_normalized=False)
+    assert torch.allclose(mixed[0], torch.tensor([0.375, 0.125, 0.0, 0.5, 0.0, 0.0]))
+    assert torch.equal(mixed_col_sum(stats, m, 1.0, row_normalized=False)[0], draft[0] / 2)
+    assert mixed_col_sum(base, m, 0.5, row_normalized=False) is None  # no draft rows: score as before
+    assert stats.row_max is base.row_max and stats.col_sum is base.col_sum  # the allocator's view
+
+
+class _Stats:
+    def __init__(self, col_sum: torch.Tensor, tq: int) -> None:
+        heads = col_sum.shape[0]
+        self.col_sum = col_sum
+        self.row_max = torch.zeros(heads, tq)
+        self.row_sumexp = torch.ones(heads, tq)
+        self.below = torch.zeros(heads, dtype=torch.int64)
+        self.unmasked = torch.ones(heads, dtype=torch.int64)
+
+
+def test_http_extra_body_carries_lookahead():
+    from vlkv.services.openai_schema import VlkvOptions, _compression
+
+    pb = _compression(VlkvOptions(policy="vlcache", lookahead=8, lookahead_weight=1.0))
+    assert pb.HasField("lookahead") and (pb.lookahead, pb.lookahead_weight) == (8, 1.0)
+    assert not _compression(VlkvOptions()).HasField("lookahead")
+    with pytest.raises(ValueError):
+        VlkvOptions(lookahead=-1)

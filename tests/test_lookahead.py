@@ -18,6 +18,7 @@ from vlkv.common.request import PreparedRequest, compression_from_proto, compres
 from vlkv.common.sampling import SamplingConfig
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.engine import PrefillEngine
+from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.tools.client import build_request, generate
 from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
 from vlkv.tools.task.synthetic_task import make_examples, prompt_text
@@ -138,6 +139,32 @@ def test_served_prefill_equals_in_process_compress(setup):
         req = PreparedRequest("la", inputs.input_ids, tensors, inputs.modality, SamplingConfig(), settings)
         served = engine.run(req).cache
         _same(served, compress(prep, "vlcache", BUDGET, lookahead=6, lookahead_weight=0.5))
+
+
+def test_image_cache_reuse_path_drafts_too(setup):
+    cluster, examples, _ = setup
+    spec = ModelSpec.from_model(cluster.model, cluster.processor.tokenizer)
+    engine = PrefillEngine(cluster.model, spec, image_cache=ImageCache(64 << 20))
+    ex = examples[0]
+    inputs = prepare_inputs(
+        cluster.processor, ex.images, prompt_text(cluster.processor, ex), spec.image_token_id
+    )
+    tensors = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
+
+    def run(lookahead: int):
+        settings = CompressionSettings("vlcache", BUDGET, lookahead=lookahead, lookahead_weight=1.0)
+        req = PreparedRequest("la", inputs.input_ids, tensors, inputs.modality, SamplingConfig(), settings)
+        return engine.run(req)
+
+    first = run(6)  # a miss: stores the image's K/V
+    second = run(6)  # a hit: the reuse forward, then the draft over its keys
+    assert second.reuse is not None and second.reuse.hit and not first.reuse.hit
+    plain = run(0)
+    assert second.cache.layer_lengths == plain.cache.layer_lengths
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(second.cache.kept_indices, plain.cache.kept_indices, strict=True)
+    )
 
 
 def test_request_with_lookahead_through_the_public_api(setup):

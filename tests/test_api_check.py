@@ -1,14 +1,18 @@
-"""``vlkv eval --api --compression-profile``: a calibrated profile served through the public gRPC API gives
-the in-process evaluation's answers for the profile's settings, and another model's profile is refused."""
+"""``vlkv eval --api``: a calibrated profile served through the public gRPC API gives the in-process
+evaluation's answers for the profile's settings, and another model's profile is refused; ``--member`` checks
+a text task on SmolLM2 and a real-decoder zoo member the same way, and a served answer unlike the in-process
+table's is counted."""
 
 from __future__ import annotations
 
+import pytest
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, read_profile
 from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.tools.cli import main
+from vlkv.tools.eval import api_check
 
 # entries unlike the default, one (streamingllm at 1%: no image token kept) answering unlike it: the check
 # must see that the profile, not the default, answered
@@ -41,7 +45,52 @@ def test_a_calibrated_profile_answers_as_the_in_process_table_through_the_api(tm
     label = read_profile(path).label
     assert label in md and "profile 1% (streamingllm)" in md and "profile 10% (allocator: uniform)" in md
     rows = [line for line in md.splitlines() if line.startswith("| profile")]
-    assert len(rows) == 2 and all(line.endswith("| 0/3 | 0/3 |") for line in rows)
+    assert len(rows) == 2 and all("| 0/3 | 0/3 |" in line for line in rows)
 
     other = _profile(tmp_path / "other.json", "0" * 16)  # another model's fingerprint
     assert main([*argv, "--compression-profile", str(other)]) == 2  # refused at start-up
+
+
+def _rows(md: str) -> list[str]:
+    return [
+        line for line in md.splitlines() if line.startswith("| ") and not line.startswith(("| run", "| ---"))
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, file", [("text:niah_single_1", "text_niah_single_1"), ("smol_objects", "smol_objects")]
+)
+def test_a_member_is_asked_through_the_api_and_its_answers_compared(tmp_path, name, file):
+    argv = ["eval", "--api", "--member", name, "-n", "2", "--budgets", "0.05", "--concurrency", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0  # 0 answers differ
+    rows = _rows((tmp_path / f"api_check_{file}.md").read_text())
+    assert [r.split(" | ")[0] for r in rows] == ["| full", "| vlcache 5%"]
+    assert all(r.endswith("| 0/2 | 0/2 |") for r in rows)
+
+
+def test_an_answer_unlike_the_in_process_tables_is_counted(tmp_path, monkeypatch):
+    runs = api_check._runs
+
+    def other_in_process(
+        args, profile
+    ):  # the request names vlcache, the in-process side keeps the recent tokens
+        return [(a, b, c, "streamingllm" if c else d, e) for a, b, c, d, e in runs(args, profile)]
+
+    monkeypatch.setattr(api_check, "_runs", other_in_process)
+    argv = [
+        "eval",
+        "--api",
+        "--member",
+        "text:niah_single_1",
+        "-n",
+        "2",
+        "--budgets",
+        "0.05",
+        "--concurrency",
+        "2",
+    ]
+    assert main([*argv, "--out", str(tmp_path)]) == 1
+    full, compressed = _rows((tmp_path / "api_check_text_niah_single_1.md").read_text())
+    assert full.endswith("| 0/2 | 0/2 |")
+    differ = int(compressed.split(" | ")[-2].split("/")[0])
+    assert differ >= 1 and compressed.startswith("| vlcache 5% | 1.000 (2/2")  # served right, in-process not

@@ -54,12 +54,29 @@ def _table(title: str, accs: dict, budgets, profile, labels) -> list[str]:
 
 
 def check_member(member: str, profile_path: str, n: int, budgets, seed: int = 0) -> list[str]:
+    """``member``: a zoo member, or ``text:TASK[:LENGTH]`` (the real-text suite's task on SmolLM2 in bfloat16,
+    the rows ``vlkv eval --zoo --members text`` scores; 1,024 tokens unless given)."""
     profile = read_profile(profile_path)
-    out = run_member(
-        member, n, seed, "heldout", [(DEFAULT_POLICY, DEFAULT_POLICY, {}), *profile_rows(profile)], budgets
-    )
+    configs = [(DEFAULT_POLICY, DEFAULT_POLICY, {}), *profile_rows(profile)]
+    if member.startswith("text:"):
+        out = _text_task(member, n, seed, configs, budgets)
+    else:
+        out = run_member(member, n, seed, "heldout", configs, budgets)
     title = f"{member} (held-out, n={n}, full {out['full']:.3f}), profile {profile.label}"
     return _table(title, out["rows"], budgets, profile, [DEFAULT_POLICY])
+
+
+def _text_task(name: str, n: int, seed: int, configs, budgets) -> dict:
+    from vlkv.tools.eval.zoo_report import finalize
+    from vlkv.tools.eval.zoo_text import TextTask, load_text_model, run_task
+    from vlkv.tools.zoo import text_suite as ts
+
+    _, task, *length = name.split(":")
+    model, processor = load_text_model()
+    t = TextTask(
+        task, int(length[0]) if length else 1024, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task)
+    )
+    return finalize(run_task(model, processor, t, n, seed, "heldout", configs, budgets, 25, oracle=False))
 
 
 def check_text_suite(tasks, length: int, n: int, budgets, profile_path: str = "") -> list[str]:

@@ -674,6 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument(
+        "--member",
+        default="",
+        help="--api: a zoo member or text:TASK[:LENGTH] (the real-text suite on SmolLM2, bfloat16) instead of "
+        "the default model's synthetic task",
+    )
+    p.add_argument(
         "--compression-profile",
         default="",
         help="--api: serve this vlkv calibrate profile and check its answers (requests name only a budget) "

@@ -1,27 +1,38 @@
 """``vlkv eval --api``: the held-out accuracy measured through the public gRPC API.
 
-``vlkv eval --table`` prefills each example once and compresses it per (policy, budget) in-process, which
-is what makes a sweep of every policy over six budgets affordable on a CPU. This command checks that table
-against the served system: it starts a gateway, a prefill worker and a decode worker (real gRPC over
-localhost, in this process), asks every held-out question through the gateway at each requested
-(policy, budget), scores the answers, and reports, per run, the accuracy and how many answers differ
-from the in-process evaluation's answers for the same example.
+``vlkv eval --table`` / ``--zoo`` prefill each example once and compress it per (policy, budget) in-process
+(``zoo_scoring.py``), which is what makes a sweep of every policy over the budgets affordable on a CPU. This
+command checks that table against the served system: it starts a gateway, a prefill worker and a decode
+worker (real gRPC over localhost, in this process, as ``vlkv serve --model DIR`` starts them), asks every
+held-out question through the gateway at each requested (policy, budget), scores the answers, and reports,
+per run, the accuracy and how many answers differ from the in-process table's answers for the same example.
 
-``--compression-profile PATH`` (a ``vlkv calibrate`` profile of this model) checks the profile instead of
-``--policy``: the servers load it as ``vlkv serve --compression-profile PATH`` does, every request names a
-budget and nothing else (so the profile chooses), and the in-process side evaluates the settings of the
-profile's entry for that budget (``CompressionProfile.policy_for``) at that budget. Each served answer must
-also name the profile in ``Finished.usage.compression_profile``: a run where any does not is reported.
+What is checked (``_target``): the default model's synthetic task (``--model``), or ``--member NAME``, a zoo
+member (``tools/zoo``; a real-decoder member is assembled on first use) or ``text:TASK[:LENGTH]``, a task of
+the real-text suite on SmolLM2-135M-Instruct (``zoo_text.TextTask``, 1,024 tokens unless given), served in
+bfloat16 as ``vlkv eval --zoo`` scores it (``vlkv serve --model DIR --dtype bfloat16``). Each question is
+the example's one user turn, sent as ``vlkv generate --chat`` sends it (``build_request(question=...)``).
+
+``--compression-profile PATH`` (a ``vlkv calibrate`` profile of this model, in this dtype) checks the profile
+instead of ``--policy``: the servers load it as ``vlkv serve --compression-profile PATH`` does, every request
+names a budget and nothing else (so the profile chooses), and the in-process side evaluates the settings of
+the profile's entry for that budget (``CompressionProfile.entry_for``) at that budget, beside the default
+policy's (the profile - default column). Each served answer must also name the profile in
+``Finished.usage.compression_profile``: a run where any does not is reported.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from vlkv.common.compression.registry import DEFAULT_POLICY
 from vlkv.common.config import ModelConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
@@ -32,16 +43,72 @@ from vlkv.deploy.servers import (
     start_prefill_worker,
 )
 from vlkv.tools.client import build_request, generate
-from vlkv.tools.eval.evaluation import evaluate, prepare
+from vlkv.tools.eval.evaluation import prepare
+from vlkv.tools.eval.zoo_scoring import FULL, full_answers, score_rows, wilson
 from vlkv.tools.progress import progress as track
-from vlkv.tools.task.synthetic_task import is_correct, make_examples
 from vlkv.v1 import generate_pb2_grpc
+
+
+@dataclass
+class Target:
+    """What the check asks: the task (``prompt_text`` / ``is_correct``), its examples and checkpoint."""
+
+    name: str  # "" for the default model's synthetic task
+    model_dir: str
+    dtype: str
+    task: object
+    examples: list
+    max_new_tokens: int
+
+
+def _target(args) -> tuple[Target, object, object]:
+    """``(target, model, processor)`` for ``--member`` (a zoo member or ``text:TASK[:LENGTH]``) or, without
+    it, the synthetic task on ``--model``."""
+    name = getattr(args, "member", "") or ""
+    split = getattr(args, "split", "heldout")
+    if name.startswith("text:"):
+        from vlkv.tools.eval.zoo_text import TextTask
+        from vlkv.tools.zoo import text_suite as ts
+        from vlkv.tools.zoo.smollm2 import text_checkpoint
+
+        _, task, *length = name.split(":")
+        path, dtype = str(text_checkpoint()), "bfloat16"
+        model, processor = load_model(ModelConfig(path=path, dtype=dtype)), load_processor(path)
+        t = TextTask(
+            task,
+            int(length[0]) if length else 1024,
+            processor.tokenizer,
+            max_new_tokens=ts.max_new_tokens(task),
+        )
+        return (
+            Target(name, path, dtype, t, t.make_examples(args.n, args.seed, split), t.max_new_tokens),
+            model,
+            processor,
+        )
+    if name:
+        from vlkv.tools.zoo import member
+
+        mod = member(name)
+        path = str(mod.assemble() if mod.assemble else mod.model_dir)
+        examples = mod.make_examples(args.n, seed=args.seed, split=split)
+        target = Target(name, path, "float32", mod, examples, mod.max_new_tokens)
+    else:
+        from vlkv.tools.task import synthetic_task
+
+        examples = synthetic_task.make_examples(args.n, seed=args.seed, split=split)
+        target = Target("", args.model, "float32", synthetic_task, examples, args.max_new_tokens)
+    return target, load_model(ModelConfig(path=target.model_dir)), load_processor(target.model_dir)
 
 
 def _png(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _question(example) -> str:
+    """The text of the example's one user turn (what ``build_request(question=...)`` sends after its images)."""
+    return "".join(p["text"] for p in example.messages[-1]["content"] if p.get("type") == "text")
 
 
 async def _serve(cfg: ServerConfig, model, processor):
@@ -51,50 +118,66 @@ async def _serve(cfg: ServerConfig, model, processor):
     return prefill, decode, gateway
 
 
-def _ask_all(
-    address: str,
-    examples,
-    policy: str,
-    budget: float | None,
-    max_new: int,
-    workers: int,
-    profiles: list[str] | None = None,
-) -> list[str]:
-    """Every example's answer through the gateway at ``address``; ``profiles`` (if given) receives each
-    answer's ``Finished.usage.compression_profile`` (empty: no profile chose its policy)."""
+def ask_served(cfg: ServerConfig, model, processor, examples, asks, max_new: int, workers: int) -> list:
+    """Start a gateway and one prefill and one decode worker on localhost (``model`` shared), ask every example
+    through the gateway at each ``(policy, budget)`` of ``asks`` (policy ``""``: the request names only its
+    budget), stop them; per ask ``(answers, usages' compression_profile)``."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers = asyncio.run_coroutine_threadsafe(_serve(cfg, model, processor), loop).result(300)
     images = [[_png(im) for im in ex.images] for ex in examples]
-    with grpc.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    out = []
+    try:
+        with grpc.insecure_channel(servers[2].address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            for policy, budget in asks:
 
-        def one(i: int) -> str:
-            req = build_request(
-                images=images[i],
-                question=examples[i].question,
-                max_new_tokens=max_new,
-                policy=policy,
-                budget=budget,
-            )
-            return generate(stub, req, 600)
+                def one(i: int, policy=policy, budget=budget):
+                    q = _question(examples[i])
+                    req = build_request(
+                        images=images[i], question=q, max_new_tokens=max_new, policy=policy, budget=budget
+                    )
+                    return generate(stub, req, 600)
 
-        with ThreadPoolExecutor(workers) as pool:
-            label = f"api {policy or 'profile'}" + (f" {budget:.0%}" if budget is not None else "")
-            outs = list(track(pool.map(one, range(len(examples))), total=len(examples), desc=label, unit="q"))
-    if profiles is not None:
-        profiles.extend(o.finished.usage.compression_profile for o in outs)
-    return [o.text for o in outs]
+                label = f"api {policy or 'profile'}" + (f" {budget:.0%}" if budget is not None else "")
+                with ThreadPoolExecutor(workers) as pool:
+                    done = list(track(pool.map(one, range(len(examples))), total=len(examples), desc=label))
+                out.append(([o.text for o in done], [o.finished.usage.compression_profile for o in done]))
+    finally:
+        for s in servers[::-1]:
+            asyncio.run_coroutine_threadsafe(s.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    return out
 
 
-def _runs(args, profile) -> list[tuple[str, str, float | None, dict]]:
-    """(label, the policy the request names, budget, the in-process policy's parameters): full, then per
-    budget ``--policy`` or, with a profile, no policy named and the profile entry's settings in-process."""
-    runs: list[tuple[str, str, float | None, dict]] = [("full", "full", None, {})]
+def _runs(args, profile) -> list[tuple[str, str, float | None, str, dict]]:
+    """(label, the policy the request names, budget, the in-process policy and its parameters): full, then
+    per budget ``--policy`` or, with a profile, no policy named and the profile entry's settings in-process."""
+    runs: list[tuple[str, str, float | None, str, dict]] = [("full", "full", None, "full", {})]
     for b in (float(x) for x in args.budgets.split(",")):
         if profile is None:
-            runs.append((f"{args.policy} {b:.0%}", args.policy, b, {}))
+            runs.append((f"{args.policy} {b:.0%}", args.policy, b, args.policy, {}))
         else:
             entry = profile.entry_for(b)
-            runs.append((f"profile {b:.0%} ({entry.candidate})", "", b, entry.policy.to_dict()))
+            params = entry.policy.to_dict()
+            runs.append((f"profile {b:.0%} ({entry.candidate})", "", b, params.pop("policy"), params))
     return runs
+
+
+def _in_process(model, processor, prepared, runs, max_new: int, with_default: bool) -> tuple[list, list]:
+    """The in-process table's answers per run (``zoo_scoring``: one prefill, each run's caches decoded
+    together), and with ``with_default`` the default policy's per budget run (``[]`` for full)."""
+    texts: dict = {}
+    ids, _ = full_answers(model, processor, prepared, max_new, texts)
+    answers, default = [texts[FULL]["1.0"]], [[]]
+    for label, _, budget, policy, params in runs[1:]:
+        rows = [(label, policy, params)] + ([("default", DEFAULT_POLICY, {})] if with_default else [])
+        score_rows(model, processor, prepared, ids, rows, [budget], max_new, oracle=False, texts=texts)
+        answers.append(texts[label][str(budget)])
+        default.append(texts["default"][str(budget)] if with_default else [])
+    return answers, default
 
 
 def run_api_check(args) -> int:
@@ -102,90 +185,80 @@ def run_api_check(args) -> int:
 
     profile_path = getattr(args, "compression_profile", "") or ""
     profile = read_profile(profile_path) if profile_path else None
+    target, model, processor = _target(args)
     # without --compression-profile no profile is served (not even one beside the checkpoint)
-    cfg = ServerConfig(model=ModelConfig(path=args.model), compression_profile=profile_path or "none")
+    cfg = ServerConfig(
+        model=ModelConfig(path=target.model_dir, dtype=target.dtype),
+        compression_profile=profile_path or "none",
+    )
     runs = _runs(args, profile)
-    model = load_model(cfg.model)
-    processor = load_processor(args.model)
     # another model's profile or a bad file: refused here as `vlkv serve` refuses it, before any prefill
     load_compression_profile(cfg, ModelSpec.from_model(model, processor.tokenizer).fingerprint)
-    examples = make_examples(args.n, seed=args.seed, split=getattr(args, "split", "heldout"))
-    prepared = prepare(model, processor, examples, progress=True)
-
-    loop = asyncio.new_event_loop()
-    import threading
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    servers = asyncio.run_coroutine_threadsafe(_serve(cfg, model, processor), loop).result(300)
-    rows = []
+    examples, task = target.examples, target.task
     start = time.perf_counter()
-    try:
-        for label, policy, budget, params in runs:
-            t0 = time.perf_counter()
-            named: list[str] = []
-            api = _ask_all(
-                servers[2].address, examples, policy, budget, args.max_new_tokens, args.concurrency, named
-            )
-            params = dict(params)
-            local_policy = params.pop("policy", policy)
-            local = evaluate(
-                model, processor, prepared, local_policy, budget or 1.0, args.max_new_tokens, **params
-            ).answers
-            acc = sum(is_correct(t, ex) for t, ex in zip(api, examples, strict=True)) / len(examples)
-            local_acc = sum(is_correct(t, ex) for t, ex in zip(local, examples, strict=True)) / len(examples)
-            differ = sum(a.strip() != b.strip() for a, b in zip(api, local, strict=True))
-            expect = profile.label if (profile is not None and policy == "") else ""
-            unnamed = sum(n != expect for n in named)  # answers whose usage names another (or no) profile
-            rows.append((label, acc, local_acc, differ, unnamed, time.perf_counter() - t0))
-            print(
-                f"{label}: api {acc:.3f} in-process {local_acc:.3f} differ {differ} profile-mismatch {unnamed}",
-                flush=True,
-            )
-    finally:
-        for s in servers[::-1]:
-            asyncio.run_coroutine_threadsafe(s.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-    md = _markdown(args, examples, rows, profile, profile_path, time.perf_counter() - start)
+    prepared = prepare(model, processor, examples, progress=True, task=task, next_attention=False)
+    local, default = _in_process(model, processor, prepared, runs, target.max_new_tokens, profile is not None)
+    del prepared
+    asks = [(policy, budget) for _, policy, budget, _, _ in runs]
+    served = ask_served(cfg, model, processor, examples, asks, target.max_new_tokens, args.concurrency)
+
+    def right(texts) -> int:
+        return sum(task.is_correct(t, ex) for t, ex in zip(texts, examples, strict=True))
+
+    rows = []
+    for (label, policy, _, _, _), (api, named), mine, dflt in zip(runs, served, local, default, strict=True):
+        differ = sum(a.strip() != b.strip() for a, b in zip(api, mine, strict=True))
+        expect = profile.label if (profile is not None and policy == "") else ""
+        unnamed = sum(n != expect for n in named)  # answers whose usage names another (or no) profile
+        rows.append((label, right(api), right(mine), right(dflt) if dflt else None, differ, unnamed))
+        print(
+            f"{label}: api {right(api)} in-process {right(mine)} differ {differ} profile-mismatch {unnamed}"
+        )
+    md = _markdown(args, target, rows, profile, profile_path, time.perf_counter() - start)
     print("\n".join(md))
     if args.out:
-        from pathlib import Path
-
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = "api_check_profile.md" if profile is not None else "api_check.md"
+        slug = "".join(c if c.isalnum() or c == "_" else "_" for c in target.name)
+        name = (
+            "api_check" + (f"_{slug}" if slug else "") + ("_profile" if profile is not None else "") + ".md"
+        )
         (out / name).write_text("\n".join(md) + "\n")
         print(f"wrote {out / name}")
-    return 0 if all(r[3] == 0 and r[4] == 0 for r in rows) else 1
+    return 0 if all(r[4] == 0 and r[5] == 0 for r in rows) else 1
 
 
-def _markdown(args, examples, rows, profile, profile_path: str, wall: float) -> list[str]:
-    full_acc = rows[0][1]
+def _cell(k: int, n: int) -> str:
+    lo, hi = wilson(k, n)
+    return f"{k / n:.3f} ({k}/{n}, {lo:.2f}-{hi:.2f})"
+
+
+def _markdown(args, target: Target, rows, profile, profile_path: str, wall: float) -> list[str]:
+    n = len(target.examples)
+    split = getattr(args, "split", "heldout")
     what = f"--compression-profile {profile_path}" if profile is not None else f"--policy {args.policy}"
+    member = f" --member {target.name}" if target.name else ""
     md = [
-        f"# Accuracy through the public gRPC API ({len(examples)} examples of split "
-        f"{getattr(args, 'split', 'heldout')})",
+        f"# Accuracy through the public gRPC API ({target.name or 'the default model'}, {n} examples of split "
+        f"{split}, {target.dtype})",
         "",
-        f"Command: `vlkv eval --api -n {args.n} {what} --budgets {args.budgets}`",
+        f"Command: `vlkv eval --api{member} -n {args.n} {what} --budgets {args.budgets}`",
         "",
     ]
+    head = "| run | accuracy (API) | accuracy (in-process table) | answers that differ | usage not naming the profile |"
     if profile is not None:
         md += [
             f"Profile {profile.label} (model {profile.fingerprint[:12]}, calibrated on "
             f"{profile.prompts.get('count', '?')} prompts): each request names only its budget; the "
-            "in-process column evaluates the entry's settings at that budget.",
+            "in-process column evaluates the entry's settings at that budget, beside the default policy's.",
             "",
         ]
-    md += [
-        "| run | accuracy (API) | relative to full (API) | accuracy (in-process eval) | answers that differ "
-        "| usage not naming the profile |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for label, acc, local_acc, differ, unnamed, _ in rows:
-        rel = acc / full_acc if full_acc else 0.0
-        md.append(
-            f"| {label} | {acc:.3f} | {rel:.3f} | {local_acc:.3f} | {differ}/{len(examples)} "
-            f"| {unnamed}/{len(examples)} |"
-        )
+        head += " default (in-process) | profile - default (points) |"
+    md += [head, "|" + " --- |" * (head.count("|") - 1)]
+    for label, api, mine, dflt, differ, unnamed in rows:
+        line = f"| {label} | {_cell(api, n)} | {_cell(mine, n)} | {differ}/{n} | {unnamed}/{n} |"
+        if profile is not None:
+            line += " | |" if dflt is None else f" {_cell(dflt, n)} | {100 * (mine - dflt) / n:+.1f} |"
+        md.append(line)
     md += ["", f"Wall time: {wall:.0f} s"]
     return md

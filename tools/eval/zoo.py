@@ -167,32 +167,19 @@ def evaluate_many(
 
 
 def _api_check(mod, model, processor, examples, budgets, answers) -> dict:
-    """Ask every question through real gRPC at the default policy and each budget: accuracy and how many
-    answers differ from the in-process evaluation's."""
-    import asyncio
-    import threading
-
+    """Ask every question through real gRPC at the default policy and each budget (``api_check.ask_served``):
+    accuracy and how many answers differ from the in-process evaluation's."""
     from vlkv.common.config import ServerConfig
-    from vlkv.tools.eval.api_check import _ask_all, _serve
+    from vlkv.tools.eval.api_check import ask_served
 
     cfg = ServerConfig(model=ModelConfig(path=str(mod.model_dir)))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    servers = asyncio.run_coroutine_threadsafe(_serve(cfg, model, processor), loop).result(300)
+    asks = [(DEFAULT_POLICY, b) for b in budgets]
     result = {}
-    try:
-        address = servers[2].address
-        for b in budgets:
-            texts = _ask_all(address, examples, DEFAULT_POLICY, b, mod.max_new_tokens, 4)
-            acc = sum(mod.is_correct(t, ex) for t, ex in zip(texts, examples, strict=True)) / len(examples)
-            differ = sum(t.strip() != a.strip() for t, a in zip(texts, answers[b], strict=True))
-            result[str(b)] = {"accuracy": acc, "differ": differ}
-    finally:
-        for s in reversed(servers):
-            asyncio.run_coroutine_threadsafe(s.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    served = ask_served(cfg, model, processor, examples, asks, mod.max_new_tokens, 4)
+    for b, (texts, _) in zip(budgets, served, strict=True):
+        acc = sum(mod.is_correct(t, ex) for t, ex in zip(texts, examples, strict=True)) / len(examples)
+        differ = sum(t.strip() != a.strip() for t, a in zip(texts, answers[b], strict=True))
+        result[str(b)] = {"accuracy": acc, "differ": differ}
     return result
 
 

@@ -39,7 +39,7 @@ from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
-from vlkv.tools.eval.evaluation import BLOCK_SIZE, prepare
+from vlkv.tools.eval.evaluation import BLOCK_SIZE, policy_stats, prepare
 from vlkv.tools.progress import progress as track
 
 DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
@@ -162,7 +162,7 @@ def measure_chunk(model, prepared, budgets, tokens: int, out: Calibration) -> No
         caches, slot, seen = [], [], {}  # slot[j]: the cache of (candidate, budget) j
         for _, policy in policies:
             for b in budgets:
-                stats = p.stats(policy.query_start(p.m, p.tau), THRESHOLD) if policy.requires_stats else None
+                stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
                 cache = policy.compress(
                     stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
                 )

@@ -20,7 +20,7 @@ from vlkv.common.compression.registry import get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
-from vlkv.tools.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches
+from vlkv.tools.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches, policy_stats
 from vlkv.tools.progress import progress as track
 from vlkv.tools.task.synthetic_task import GRID, SHAPES, SPAN, TOKENS_PER_IMAGE, is_correct, prompt_text
 
@@ -177,7 +177,7 @@ def run_ablation(args, model, processor, prepared, full_accuracy: float, start: 
         tgt = torch.zeros(num_layers)
         key = torch.zeros(num_layers)
         for p, ps in zip(prepared, pos, strict=True):
-            stats = p.stats(pol.query_start(p.m, p.tau), 0.01) if pol.requires_stats else None
+            stats = policy_stats(p, pol, 0.1)
             kept = pol.plan(stats, p.keys, p.values, alpha=0.1, m=p.m, tau=p.tau)
             vset = set(ps.vision)
             for layer, idx in enumerate(kept):

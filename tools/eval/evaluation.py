@@ -175,14 +175,22 @@ def _next_attention(model, keys: list, values: list, first: int, m: int) -> list
     return nxt
 
 
-def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:
-    policy = get_policy(policy_name, **params)
-    needs_stats = policy.requires_stats and not policy.is_full(budget)  # full: the cache comes back unchanged
+def policy_stats(prep: Prepared, policy, budget: float, threshold: float = 0.01) -> list | None:
+    """The statistics ``policy.compress`` reads for ``prep`` at ``budget``, as ``PrefillEngine.run`` hands
+    them over: None when it reads none (a full cache comes back unchanged), with the draft rows' attention
+    beside the question's when the prompt's policy has ``lookahead``."""
+    needs_stats = policy.requires_stats and not policy.is_full(budget)
     stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if needs_stats else None
     steps = policy.lookahead_steps(budget, prep.m, prep.tau)
-    if steps and stats is not None:  # as PrefillEngine.run: the draft rows' attention beside the question's
+    if steps and stats is not None:
         draft = prep.draft(steps)
         stats = with_draft(stats, draft.col_sums(steps, threshold), min(steps, draft.rows))
+    return stats
+
+
+def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:
+    policy = get_policy(policy_name, **params)
+    stats = policy_stats(prep, policy, budget, threshold)
     return policy.compress(
         stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau, first_token=prep.first_token
     )
@@ -251,7 +259,7 @@ def cache_hit_rate(
     (``prep.next_attention``, paper section 3.2). params: policy parameters (e.g. ``pool_kernel``).
     """
     policy = get_policy(policy_name, **params)
-    stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if policy.requires_stats else None
+    stats = policy_stats(prep, policy, min(k_ratio, 0.999), threshold)  # the scores at a compressing budget
     k = max(1, math.ceil(k_ratio * prep.m))
     rates = []
     for layer, (keys, values) in enumerate(zip(prep.keys, prep.values, strict=True)):

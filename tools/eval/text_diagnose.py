@@ -35,7 +35,7 @@ from vlkv.common.compression.presets import preset_params
 from vlkv.common.compression.registry import get_policy
 from vlkv.common.compression.selection import recent_count
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.tools.eval.evaluation import prepare
+from vlkv.tools.eval.evaluation import policy_stats, prepare
 from vlkv.tools.eval.oracle import answer_attention, mass_budgets, oracle_cache
 from vlkv.tools.eval.zoo_scoring import full_answers, score_rows
 from vlkv.tools.eval.zoo_text import TextTask, load_text_model
@@ -89,7 +89,7 @@ def ranks(scores: torch.Tensor, positions: dict[str, int]) -> dict[str, list[int
 def injected(prep, policy, budget, layers, pos) -> CompactKV:
     """The policy's cache with the needle's tokens first among its scored tokens in ``layers`` (its windows
     and per-layer budgets as they are)."""
-    stats = prep.stats(policy.query_start(prep.m, prep.tau), 0.01)
+    stats = policy_stats(prep, policy, budget)
     kept = policy.plan(stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau)
     tau = policy.observed_tau(prep.m, prep.tau)
     out_k, out_v, out_i = [], [], []

@@ -59,20 +59,33 @@ def _same(a, b) -> None:
         assert torch.equal(x, y)
 
 
-def test_lookahead_zero_is_todays_cache_bit_for_bit(setup):
-    _, _, prepared = setup
+def test_lookahead_zero_is_the_cache_without_drafts_bit_for_bit(setup, monkeypatch):
+    cluster, examples, prepared = setup
+    policy = get_policy("vlcache", lookahead=0)
     for prep in prepared:
-        _same(compress(prep, "vlcache", BUDGET), compress(prep, "vlcache", BUDGET, lookahead=0))
-        # draft rows handed to a policy with lookahead 0 change nothing either
-        policy = get_policy("vlcache")
+        args = dict(alpha=BUDGET, m=prep.m, tau=prep.tau, first_token=prep.first_token)
         stats = prep.stats(policy.query_start(prep.m, prep.tau), 0.01)
+        plain = policy.compress(stats, prep.keys, prep.values, **args)  # no draft anywhere
+        _same(compress(prep, "vlcache", BUDGET, lookahead=0), plain)
+        # draft rows handed to a policy with lookahead 0 change nothing either
         drafted = with_draft(stats, prep.draft(4).col_sums(4), 4)
         assert all(isinstance(s, DraftStats) for s in drafted)
-        args = dict(alpha=BUDGET, m=prep.m, tau=prep.tau)
-        _same(
-            policy.compress(stats, prep.keys, prep.values, **args),
-            policy.compress(drafted, prep.keys, prep.values, **args),
-        )
+        _same(policy.compress(drafted, prep.keys, prep.values, **args), plain)
+
+    # and the served prefill does not draft at all
+    def no_draft(*a, **k):
+        raise AssertionError("lookahead 0 drafted")
+
+    monkeypatch.setattr("vlkv.prefill_worker.engine.run_draft", no_draft)
+    engine = PrefillEngine(cluster.model, ModelSpec.from_model(cluster.model, cluster.processor.tokenizer))
+    ex, prep = examples[0], prepared[0]
+    inputs = prepare_inputs(
+        cluster.processor, ex.images, prompt_text(cluster.processor, ex), engine.spec.image_token_id
+    )
+    tensors = {k: v for k, v in inputs.model_kwargs.items() if torch.is_tensor(v)}
+    settings = CompressionSettings("vlcache", BUDGET, lookahead=0)
+    req = PreparedRequest("la0", inputs.input_ids, tensors, inputs.modality, SamplingConfig(), settings)
+    _same(engine.run(req).cache, compress(prep, "vlcache", BUDGET, lookahead=0))
 
 
 def test_lookahead_changes_what_is_kept(setup):
@@ -81,7 +94,7 @@ def test_lookahead_changes_what_is_kept(setup):
         any(
             not torch.equal(x, y)
             for x, y in zip(
-                compress(p, "vlcache", BUDGET).kept_indices,
+                compress(p, "vlcache", BUDGET, lookahead=0).kept_indices,
                 compress(p, "vlcache", BUDGET, lookahead=6, lookahead_weight=1.0).kept_indices,
                 strict=True,
             )

@@ -49,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "post_vision_by_score": False,
         "pool_kernel": 1,
         "text_window": 0,
+        "lookahead": 0,
         "text_preset": "",
     },
     "vlcache_default": {"policy": "vlcache"},
@@ -62,6 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "post_vision_by_score": True,
         "row_normalized": True,
         "text_window": 16,
+        "lookahead": 0,  # pinned: the presets keep their settings whatever vlcache's default
         "text_preset": "",  # compresses every prompt itself (a text preset cannot name another)
     },
 }

@@ -126,6 +126,22 @@ def test_draft_is_the_greedy_continuation(setup):
             assert torch.equal(a, b)
 
 
+def test_draft_attention_is_each_rows_softmax_over_prompt_and_draft(setup):
+    cluster, _, prepared = setup
+    prep = prepared[1]
+    draft = run_draft(cluster.model, prep.keys, prep.values, prep.first_token, 4, ())
+    n, m = draft.rows, prep.m
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = torch.cat(
+        [torch.ones(n, m, dtype=torch.bool), causal], dim=1
+    )  # row i sees the prompt, drafts <= i
+    for q, k, got in zip(draft.queries, draft.keys, draft.col_sums(n), strict=True):
+        k = k.float().repeat_interleave(q.shape[0] // k.shape[0], 0)
+        logits = torch.einsum("hnd,hkd->hnk", q.float(), k) * draft.scale
+        want = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).sum(1)[:, :m]
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
 def test_draft_stops_at_eos(setup):
     cluster, _, prepared = setup
     prep = prepared[0]

@@ -44,7 +44,7 @@ from vlkv.deploy.servers import (
 )
 from vlkv.tools.client import build_request, generate
 from vlkv.tools.eval.evaluation import prepare
-from vlkv.tools.eval.zoo_scoring import FULL, full_answers, score_rows, wilson
+from vlkv.tools.eval.zoo_scoring import DECODE_CHUNK, FULL, full_answers, score_rows, wilson
 from vlkv.tools.progress import progress as track
 from vlkv.v1 import generate_pb2_grpc
 
@@ -166,15 +166,17 @@ def _runs(args, profile) -> list[tuple[str, str, float | None, str, dict]]:
     return runs
 
 
-def _in_process(model, processor, prepared, runs, max_new: int, with_default: bool) -> tuple[list, list]:
+def _in_process(model, processor, prepared, runs, max_new: int, with_default: bool, one_by_one: bool):
     """The in-process table's answers per run (``zoo_scoring``: one prefill, each run's caches decoded
-    together), and with ``with_default`` the default policy's per budget run (``[]`` for full)."""
+    together; with ``one_by_one`` one at a time, the batch a server asked one request at a time decodes), and
+    with ``with_default`` the default policy's per budget run (``[]`` for full)."""
     texts: dict = {}
-    ids, _ = full_answers(model, processor, prepared, max_new, texts)
+    chunk = 1 if one_by_one else DECODE_CHUNK
+    ids, _ = full_answers(model, processor, prepared, max_new, texts, chunk=chunk)
     answers, default = [texts[FULL]["1.0"]], [[]]
     for label, _, budget, policy, params in runs[1:]:
         rows = [(label, policy, params)] + ([("default", DEFAULT_POLICY, {})] if with_default else [])
-        score_rows(model, processor, prepared, ids, rows, [budget], max_new, oracle=False, texts=texts)
+        score_rows(model, processor, prepared, ids, rows, [budget], max_new, False, texts, chunk)
         answers.append(texts[label][str(budget)])
         default.append(texts["default"][str(budget)] if with_default else [])
     return answers, default
@@ -197,7 +199,12 @@ def run_api_check(args) -> int:
     examples, task = target.examples, target.task
     start = time.perf_counter()
     prepared = prepare(model, processor, examples, progress=True, task=task, next_attention=False)
-    local, default = _in_process(model, processor, prepared, runs, target.max_new_tokens, profile is not None)
+    # bfloat16 decoding is not batch-invariant: a greedy token can change with the batch it is decoded in
+    # (the served decode worker batches the requests in flight); --concurrency 1 decodes both sides alone
+    one_by_one = args.concurrency == 1
+    local, default = _in_process(
+        model, processor, prepared, runs, target.max_new_tokens, profile is not None, one_by_one
+    )
     del prepared
     asks = [(policy, budget) for _, policy, budget, _, _ in runs]
     served = ask_served(cfg, model, processor, examples, asks, target.max_new_tokens, args.concurrency)

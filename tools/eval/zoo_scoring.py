@@ -56,9 +56,11 @@ def score_chunk(
     return right
 
 
-def full_answers(model, processor, prepared, max_new_tokens: int, texts: dict | None = None):
-    """``(token ids, {FULL: {"1.0": [right]}})`` of the full cache's greedy answers."""
-    decode = _decoder(model, processor, max_new_tokens, 600)
+def full_answers(
+    model, processor, prepared, max_new_tokens: int, texts: dict | None = None, chunk: int = 600
+):
+    """``(token ids, {FULL: {"1.0": [right]}})`` of the full cache's greedy answers (``chunk`` at a time)."""
+    decode = _decoder(model, processor, max_new_tokens, chunk)
     ids, answers = decode([compress(p, "full", 1.0) for p in prepared])
     if texts is not None:
         texts.setdefault(FULL, {})["1.0"] = answers

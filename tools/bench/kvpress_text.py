@@ -112,7 +112,7 @@ def _run(args, budgets, out: Path) -> tuple[dict, list[dict]]:
     import torch
     from vlkv.tools.eval.kvpress_presses import DEFAULT_PRESSES, PRESSES
     from vlkv.tools.eval.kvpress_suite import load_kvpress_module, run
-    from vlkv.tools.zoo.text_suite import MAX_NEW_TOKENS, is_correct
+    from vlkv.tools.zoo.text_suite import is_correct, max_new_tokens
 
     torch.set_num_threads(1)
     presses = list(DEFAULT_PRESSES) if args.presses == "all" else args.presses.split(",")
@@ -132,7 +132,7 @@ def _run(args, budgets, out: Path) -> tuple[dict, list[dict]]:
 
     modes = args.modes.split(",")
     records = run(
-        model, tokenizer, prompts, is_correct, budgets, presses, modes, MAX_NEW_TOKENS, kvpress, sink=sink
+        model, tokenizer, prompts, is_correct, budgets, presses, modes, max_new_tokens, kvpress, sink=sink
     )
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     return meta, records

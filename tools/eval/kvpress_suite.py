@@ -97,7 +97,7 @@ def run(
     budgets: Sequence[float],
     presses: Sequence[str],
     modes: Sequence[str] = MODES,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | Callable[[str], int] = 16,
     kvpress=None,
     progress: bool = True,
     attention: str = "eager",
@@ -107,7 +107,9 @@ def run(
     ``{task, length, index, press, mode, budget, compression_ratio, kept_tokens, cache_tokens, correct,
     answer, error}`` (``kept_tokens``/``cache_tokens``: K/V entries over every layer and KV head).
     attention: the prefill's attention (eager: ObservedAttention needs its weights; AdaKV-style presses
-    are compressed the same either way). sink: called with the records so far after every prompt."""
+    are compressed the same either way). sink: called with the records so far after every prompt.
+    max_new_tokens: one cap for every prompt, or a function of the prompt's task (RULER's tasks echo their
+    longer question before the answer: ``text_suite.max_new_tokens``)."""
     for m in modes:
         if m not in MODES:
             raise ValueError(f"mode {m!r} is not one of {MODES}")
@@ -127,7 +129,7 @@ def run(
             presses,
             modes,
             eos,
-            max_new_tokens,
+            max_new_tokens(prompt.task) if callable(max_new_tokens) else max_new_tokens,
             attention,
         )
         if sink is not None:

@@ -58,7 +58,11 @@ def text_prompts(tokenizer, tasks, lengths, split: str, n: int, seed: int) -> li
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="text", choices=["text"], help="kvpress: the suite (the real-text one)")
-    p.add_argument("--tasks", default="needle,multikey,kv,tracing,passage", help="kvpress: text-suite tasks")
+    p.add_argument(
+        "--tasks",
+        default="needle,multikey,kv,tracing,passage",
+        help="kvpress: text-suite tasks (text_suite.TASKS, RULER's niah_* too; answers get max_new_tokens(task))",
+    )
     p.add_argument(
         "--lengths", default="1024,2048", help="kvpress: prompt lengths in tokens (4096 works, slowly)"
     )

@@ -6,6 +6,9 @@ post-vision text to tell it apart from the rest: its last ``text_window`` (32) t
 SnapKV's observation window (they score the rest and are kept outright, up to the window's cap), when
 ``text_preset`` is "". By default a text-only prompt goes to the preset ``vlcache_text_span`` (protocol v2.1,
 ``common/compression/README.md``): a 24-row observation window, 16-token spans after what it looks up.
+The prompts vlcache scores itself (image prompts; text-only ones too with ``text_preset=""``) mix in the
+attention of a 16-token greedy draft decoded over the full
+cache at prefill (``lookahead``, ``lookahead.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ class VLCachePolicy(Policy):
 
     Defaults chosen on the model zoo by the tuning protocol (``common/compression/README.md``): the
     post-vision window keeps the question's last tokens (up to half the budget), scores are max-pooled over
-    3 positions, and layer budgets decrease gently with depth (``Pyramid(beta=4.0)``). Algorithm 1 on the
+    3 positions, and layer budgets decrease gently with depth (``Pyramid(beta=4.0)``). Image prompts mix the
+    attention of a 16-token greedy draft into the scores (``lookahead=16``, ``lookahead_weight=0.5``: the
+    draft is discarded; protocol v2.1, "Draft-query scoring (lookahead)"); ``lookahead=0`` turns it off. Algorithm 1 on the
     post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is ``allocator=Sparsity()``; the paper's
     policy as first shipped is the preset ``vlcache_paper`` (``presets.py``). Text-only prompts (no image):
     the preset ``vlcache_text_span`` (``text_preset``, chosen per prompt kind by protocol v2.1 on five text
@@ -33,6 +38,7 @@ class VLCachePolicy(Policy):
 
     name = "vlcache"
     allocator: Allocator = Pyramid(beta=4.0)
+    lookahead: int = 16
     pool_kernel: int = 3
     post_vision_window: bool = True
     text_window: int = 32

@@ -3,8 +3,8 @@ checkpoint's own prompts, label-free; writes ``compression_profile.json`` (``com
 
 For every prompt (``tools/calibrate_prompts.py``: public-API requests, no answers), one prefill through the
 prefill worker's forward records every layer's Q and K (``evaluation.prepare``). The full cache is decoded
-greedily for ``tokens`` tokens through the decode core (``InProcessEngine.teacher_force``): the reference
-tokens and next-token distributions. Then every candidate (``CANDIDATES``: registered options, the paper's
+greedily through the decode core (``InProcessEngine.teacher_force``) to its end token, at most ``tokens``
+tokens (64: the whole answer): the reference tokens and next-token distributions. Then every candidate (``CANDIDATES``: registered options, the paper's
 preset, the current default) at every budget compresses that same prefill (its own statistics rows from
 the recorded Q and K, as the prefill worker computes them) and the reference tokens are teacher-forced
 through its compressed cache, all of a prompt's distinct caches and forced tokens in one forward
@@ -43,7 +43,11 @@ from vlkv.tools.eval.evaluation import BLOCK_SIZE, policy_stats, prepare
 from vlkv.tools.progress import progress as track
 
 DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
-DEFAULT_TOKENS = 16
+DEFAULT_TOKENS = 64
+"""The most tokens of the full cache's answer compared per prompt (the answer ends sooner at its end token).
+The whole answer: a RULER answer repeats the question before its value ("The special magic number for X
+mentioned in the provided text is 1234567", ~25 tokens); 16 tokens saw only the repeated words, and on
+niah_single_1 chose a preset that keeps none of the values (``common/compression/README.md``)."""
 THRESHOLD = 0.01
 _VL = {"policy": "vlcache"}
 # (label, policy dict): the declared grid, one change at a time from the default, plus the baselines

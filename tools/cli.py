@@ -752,7 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--budgets", default="0.02,0.05,0.1", help="comma-separated budgets in (0, 1)")
     p.add_argument(
-        "-n", type=int, default=16, help="generated tokens compared per prompt (the first included)"
+        "-n",
+        type=int,
+        default=64,
+        help="at most this many tokens of the full cache's answer compared per prompt (the first included; the "
+        "answer ends sooner at its end token)",
     )
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--dtype", default="float32", help="the dtype the model will be served in (fingerprinted)")

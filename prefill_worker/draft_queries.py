@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.common.model.prompt_cache import prompt_cache
 from vlkv.kernels.attention_stats import attention_stats
 
 
@@ -73,9 +73,7 @@ def run_draft(
     ``first`` is one)."""
     m = int(keys[0].shape[1])
     stop = set(eos)
-    cache = DynamicCache(config=model.config.text_config)
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        cache.update(k[None], v[None], layer)
+    cache = prompt_cache(model, keys, values)
     device = keys[0].device
     rec = _QueryRecorder()
     inputs: list[int] = []

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.inputs import prepare_inputs
+from vlkv.common.model.prompt_cache import prompt_cache
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import SamplingConfig
@@ -155,9 +155,7 @@ def prepare(
 def _next_attention(model, keys: list, values: list, first: int, m: int) -> list[torch.Tensor]:
     """One dense decode step with the first token over the full cache: per layer its attention ``[H, m]``
     over the m prompt tokens (the truth CacheHitRate ranks against; a lab diagnostic, not served)."""
-    cache = DynamicCache(config=model.config.text_config)
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        cache.update(k[None], v[None], layer)
+    cache = prompt_cache(model, keys, values)
     step = _Recorder()
     model(
         input_ids=torch.tensor([[first]], device=keys[0].device),

@@ -14,9 +14,9 @@ policy: it reads the answer before choosing.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.common.model.prompt_cache import prompt_cache
 from vlkv.tools.eval.evaluation import Prepared, _Recorder
 
 
@@ -29,9 +29,7 @@ def answer_attention(model, prep: Prepared, answer_ids: list[int]) -> list[torch
     ``m, m + 1, ...``."""
     inputs = list(answer_ids[:-1]) if len(answer_ids) > 1 else list(answer_ids)
     keys, values, m = prep.keys, prep.values, prep.m
-    cache = DynamicCache(config=model.config.text_config)
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        cache.update(k[None], v[None], layer)
+    cache = prompt_cache(model, keys, values)
     device = keys[0].device
     t = len(inputs)
     rec = _Recorder()

@@ -38,27 +38,9 @@ class DraftStats:
     draft_col_sum: torch.Tensor
     draft_rows: int
 
-    @property
-    def row_max(self) -> torch.Tensor:
-        return self.base.row_max
-
-    @property
-    def row_sumexp(self) -> torch.Tensor:
-        return self.base.row_sumexp
-
-    @property
-    def col_sum(self) -> torch.Tensor:
-        return self.base.col_sum
-
-    @property
-    def below(self) -> torch.Tensor:
-        return self.base.below
-
-    @property
-    def unmasked(self) -> torch.Tensor:
-        return self.base.unmasked
-
-    def __getattr__(self, name: str):  # optional attributes (col_sqsum) come from the question rows too
+    def __getattr__(self, name: str):
+        # every statistics attribute (row_max, row_sumexp, col_sum, below, unmasked, optional col_sqsum) is the
+        # question rows' own; only the three fields above are the draft's
         if name in ("base", "draft_col_sum", "draft_rows"):
             raise AttributeError(name)
         return getattr(self.base, name)

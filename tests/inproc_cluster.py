@@ -47,3 +47,29 @@ class InProcCluster:
             self.run(r.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def evaluation_cluster(model_dir: str, n: int, seed: int):
+    """``(cluster, examples, prepared)``: a cluster on ``model_dir`` with no image cache, ``n`` held-out examples
+    of the synthetic task and their in-process prefills (``evaluation.prepare``), for tests that check the
+    evaluation harness against the served path.
+
+    No image cache: a request about an image already seen would reuse its K/V (approximately, by design), while
+    the evaluation always prefills. The images are resized to the model's own input size: the server decodes an
+    image much larger than that a few times smaller first (``decode_images``' ``max_side``), the evaluation
+    hands the processor the image as is."""
+    from PIL import Image
+    from vlkv.common.config import ModelConfig, PoolConfig
+    from vlkv.common.model.inputs import input_side
+    from vlkv.tools.eval.evaluation import prepare
+    from vlkv.tools.task.synthetic_task import make_examples
+
+    cfg = ServerConfig(
+        model=ModelConfig(path=model_dir), pool=PoolConfig(pool_bytes=4 << 20), image_cache_mb=0
+    )
+    cluster = InProcCluster(cfg)
+    examples = make_examples(n, seed=seed, split="heldout")
+    side = input_side(cluster.processor)
+    for ex in examples:
+        ex.images = [im.resize((side, side), Image.Resampling.BICUBIC) for im in ex.images]
+    return cluster, examples, prepare(cluster.model, cluster.processor, examples, progress=False)

@@ -6,34 +6,17 @@ import io
 
 import pytest
 import torch
-from PIL import Image
 from vlkv.common.compression.registry import get_policy
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.common.model.inputs import input_side
 from vlkv.tools.client import build_request, generate
-from vlkv.tools.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate, prepare
-from vlkv.tools.task.synthetic_task import make_examples, prompt_text
+from vlkv.tools.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate
+from vlkv.tools.task.synthetic_task import prompt_text
 
-from tests.inproc_cluster import InProcCluster
+from tests.inproc_cluster import evaluation_cluster
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dirs):
-    # no image cache: a request about an image already seen would reuse its K/V (approximately, by design),
-    # while the evaluation always prefills; this module checks the two decode the same cache the same way
-    cfg = ServerConfig(
-        model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
-        pool=PoolConfig(pool_bytes=4 << 20),
-        image_cache_mb=0,
-    )
-    cluster = InProcCluster(cfg)
-    examples = make_examples(3, seed=1, split="heldout")
-    # at the tiny model's own input size: the server decodes an image much larger than that a few times
-    # smaller first (``decode_images``' ``max_side``), the evaluation hands the processor the image as is
-    side = input_side(cluster.processor)
-    for ex in examples:
-        ex.images = [im.resize((side, side), Image.Resampling.BICUBIC) for im in ex.images]
-    prepared = prepare(cluster.model, cluster.processor, examples, progress=False)
+    cluster, examples, prepared = evaluation_cluster(tiny_model_dirs("llava-gqa"), 3, seed=1)
     yield cluster, examples, prepared
     cluster.close()
 

@@ -7,12 +7,10 @@ import io
 
 import pytest
 import torch
-from PIL import Image
 from vlkv.common.compression.lookahead import DraftStats, mixed_col_sum, with_draft
 from vlkv.common.compression.registry import CompressionSettings, get_policy
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import InvalidInput
-from vlkv.common.model.inputs import input_side, prepare_inputs
+from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest, compression_from_proto, compression_to_proto
 from vlkv.common.sampling import SamplingConfig
@@ -20,28 +18,18 @@ from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.tools.client import build_request, generate
-from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
-from vlkv.tools.task.synthetic_task import make_examples, prompt_text
+from vlkv.tools.eval.evaluation import compress, decode_batch
+from vlkv.tools.task.synthetic_task import prompt_text
 from vlkv.v1 import generate_pb2
 
-from tests.inproc_cluster import InProcCluster
+from tests.inproc_cluster import evaluation_cluster
 
 BUDGET = 0.3
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dirs):
-    cfg = ServerConfig(
-        model=ModelConfig(path=tiny_model_dirs("llava-gqa")),
-        pool=PoolConfig(pool_bytes=4 << 20),
-        image_cache_mb=0,  # the evaluation always prefills; no reuse on the served side either
-    )
-    cluster = InProcCluster(cfg)
-    examples = make_examples(2, seed=3, split="heldout")
-    side = input_side(cluster.processor)
-    for ex in examples:
-        ex.images = [im.resize((side, side), Image.Resampling.BICUBIC) for im in ex.images]
-    prepared = prepare(cluster.model, cluster.processor, examples, progress=False)
+    cluster, examples, prepared = evaluation_cluster(tiny_model_dirs("llava-gqa"), 2, seed=3)
     yield cluster, examples, prepared
     cluster.close()
 

@@ -3,6 +3,7 @@ round-trips through a plain JSON dict with validation, and the flat keywords bui
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -117,6 +118,23 @@ def test_presets_are_policies_and_the_paper_preset_is_the_zoo_before_row():
     assert_same_plans(get_policy("vlcache", pyramid_beta=20.0, **legacy), paper, seed=13, alpha=0.1)
     with pytest.raises(ValueError, match="unknown compression preset"):
         preset("nope")
+
+
+def test_text_lookahead_presets_are_vlcache_text_span_with_a_draft():
+    """The text-draft candidates differ from vlcache_text_span only in the draft's length and weight."""
+    span = preset("vlcache_text_span")
+    assert span.lookahead == 0
+    for name, k, w in [
+        ("vlcache_text_span_lookahead", 16, 0.5),
+        ("vlcache_text_span_lookahead32", 32, 0.5),
+        ("vlcache_text_span_lookahead32_w1", 32, 1.0),
+        ("vlcache_text_span_lookahead48", 48, 0.5),
+        ("vlcache_text_span_lookahead48_w1", 48, 1.0),
+    ]:
+        policy = preset(name)
+        assert (policy.lookahead, policy.lookahead_weight) == (k, w)
+        assert policy.text_preset == ""  # compresses text-only prompts itself
+        assert dataclasses.replace(policy, lookahead=0, lookahead_weight=span.lookahead_weight) == span
 
 
 def test_text_only_prompts_use_an_observation_window():

@@ -31,6 +31,12 @@ after the looked-up key of a RULER question, so none of them looks it up) and 16
 third digit of "KEY is: 1234567" or of a "3f9a-c27e" code, counted from the key's last token). A wider window
 (32) takes in the context's last tokens as rows, whose local look-ups, each spread 16 forward, crowd the
 value out on ``needle``. Chosen on the training split of all five text tasks (n = 10 each).
+
+``vlcache_text_span_lookahead``: ``vlcache_text_span`` with a 16-token draft mixed half and half into the
+scores (``lookahead``, ``lookahead.py``); not adopted (protocol v2.1's text dimension, 0.510 against 0.615).
+``vlcache_text_span_lookahead{32,48}`` (w 0.5) and ``..._w1`` (w 1.0): the same with 32- and 48-token drafts,
+long enough to pass a RULER answer's echo of its question (~25 tokens) and reach the value (compression
+README, "Draft-query scoring (lookahead)").
 """
 
 from __future__ import annotations
@@ -77,6 +83,18 @@ PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
     "lookahead": 16,
     "lookahead_weight": 0.5,
 }
+# Longer drafts for text-only prompts (a RULER answer repeats its ~25-token question before the value, so a
+# 16-token draft ends before it): candidates for protocol v2.1's text dimension.
+for _k in (32, 48):
+    PRESETS[f"vlcache_text_span_lookahead{_k}"] = PRESETS["vlcache_text_span"] | {
+        "lookahead": _k,
+        "lookahead_weight": 0.5,
+    }
+    PRESETS[f"vlcache_text_span_lookahead{_k}_w1"] = PRESETS["vlcache_text_span"] | {
+        "lookahead": _k,
+        "lookahead_weight": 1.0,
+    }
+del _k
 
 
 def preset(name: str) -> Policy:

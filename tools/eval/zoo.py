@@ -86,6 +86,26 @@ ABLATION = (
         "vlcache",
         {"text_preset": "vlcache_text_span_lookahead"},
     ),
+    (
+        "text-only prompts: preset vlcache_text_span + lookahead 32 (w 0.5)",
+        "vlcache",
+        {"text_preset": "vlcache_text_span_lookahead32"},
+    ),
+    (
+        "text-only prompts: preset vlcache_text_span + lookahead 32 (w 1.0)",
+        "vlcache",
+        {"text_preset": "vlcache_text_span_lookahead32_w1"},
+    ),
+    (
+        "text-only prompts: preset vlcache_text_span + lookahead 48 (w 0.5)",
+        "vlcache",
+        {"text_preset": "vlcache_text_span_lookahead48"},
+    ),
+    (
+        "text-only prompts: preset vlcache_text_span + lookahead 48 (w 1.0)",
+        "vlcache",
+        {"text_preset": "vlcache_text_span_lookahead48_w1"},
+    ),
     ("snapkv (baseline)", "snapkv", {}),
     ("pyramidkv (baseline)", "pyramidkv", {}),
 )

@@ -15,7 +15,7 @@ from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
-from vlkv.tools.calibrate import CANDIDATES, calibrate
+from vlkv.tools.calibrate import CANDIDATES, best_per_budget, calibrate, survivors
 from vlkv.tools.calibrate_prompts import read_prompts, write_prompts
 from vlkv.tools.cli import main
 from vlkv.tools.client import build_request, generate
@@ -49,6 +49,91 @@ def test_calibrate_chooses_the_best_agreement_per_budget(profile_path):
         assert mine["kl"] == min(r["kl"] for r in rows if r["agreement"] == best)
         assert entry.policy.to_dict() == mine["policy"]
         assert all(0.0 <= r["agreement"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
+
+
+def test_the_grid_changes_one_or_two_options_of_the_default_and_keeps_its_draft():
+    """Every vlcache candidate is the default with at most two options changed, the 16-token draft included
+    unless it names the draft's options; the draft's own rows are there (off, 8 tokens, weight 1.0)."""
+    from vlkv.common.compression.registry import policy_from_dict
+
+    default = policy_from_dict(CANDIDATES[0][1]).to_dict()
+    labels = [label for label, _ in CANDIDATES]
+    assert CANDIDATES[0][0] == "default" and len(set(labels)) == len(labels)
+    assert default["lookahead"] == 16 and default["lookahead_weight"] == 0.5
+    drafts = set()
+    for label, d in CANDIDATES[1:]:
+        if d.get("policy") != "vlcache" or label == "paper (vlcache_paper)":  # the baselines
+            continue
+        own = policy_from_dict(d).to_dict()
+        changed = {k for k in default if own[k] != default[k]}
+        assert 1 <= len(changed) <= 2 and changed <= set(d), label
+        if not {"lookahead", "lookahead_weight"} & set(d):
+            assert own["lookahead"] == 16 and own["lookahead_weight"] == 0.5, label
+        drafts.add((own["lookahead"], own["lookahead_weight"], own["post_vision_window"]))
+    assert {(0, 0.5, True), (8, 0.5, True), (16, 1.0, True), (16, 1.0, False)} <= drafts
+
+
+def test_screening_keeps_the_best_and_the_default_and_chooses_among_rows_measured_on_every_prompt():
+    labels = [label for label, _ in CANDIDATES]
+    rows = [
+        {"candidate": c, "budget": 0.1, "agreement": a, "kl": kl, "prompts": n, "policy": dict(CANDIDATES)[c]}
+        for c, a, kl, n in (
+            (labels[0], 0.5, 1.0, 10),
+            (labels[1], 0.9, 0.5, 10),
+            (labels[2], 0.9, 0.4, 10),
+            (labels[3], 0.8, 0.1, 10),
+            (labels[4], 0.95, 0.1, 4),  # best on the screening prompts only: cut before the rest
+        )
+    ]
+    assert survivors(rows, [0.1], 2) == {0.1: {labels[4], labels[2], labels[0]}}
+    assert survivors(rows, [0.1], 1) == {0.1: {labels[4], labels[0]}}
+    (entry,) = best_per_budget(rows, [0.1])
+    assert entry.candidate == labels[2]  # ties to the lower KL among the rows measured on all 10 prompts
+
+
+def test_a_screened_calibration_measures_the_survivors_on_every_prompt(tmp_path):
+    processor = load_processor(str(DEFAULT_MODEL_DIR))
+    examples = synthetic_task.make_examples(3, seed=4, split="train")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", processor, examples, synthetic_task)
+    trace = tmp_path / "trace.jsonl"
+    path, profile, _ = calibrate(
+        str(DEFAULT_MODEL_DIR),
+        str(prompts),
+        (0.05,),
+        4,
+        str(tmp_path / "p.json"),
+        screen=1,
+        keep=2,
+        trace=str(trace),
+    )
+    assert read_profile(path).measure["screen"] == 1
+    by_prompts = {}
+    for r in profile.table:
+        by_prompts.setdefault(r["prompts"], set()).add(r["candidate"])
+    assert len(by_prompts[3]) <= 3 and "default" in by_prompts[3] and len(profile.table) == len(CANDIDATES)
+    assert profile.entries[0].candidate in by_prompts[3]
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [len(x) for x in lines] == [len(CANDIDATES), len(by_prompts[3]), len(by_prompts[3])]
+
+
+def test_the_shared_draft_gives_the_drafts_own_column_sums_once():
+    from vlkv.tools.calibrate import _share_draft
+    from vlkv.tools.eval.evaluation import prepare
+
+    model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
+    processor = load_processor(str(DEFAULT_MODEL_DIR))
+    examples = synthetic_task.make_examples(1, seed=9, split="train")
+    shared, plain = (
+        prepare(model, processor, examples, progress=False, next_attention=False)[0] for _ in "ab"
+    )
+    policies = [get_policy("vlcache"), get_policy("vlcache", lookahead=8)]
+    _share_draft(shared, policies, (0.05, 0.1))
+    assert shared._draft.rows >= 1
+    for steps in (8, 16):
+        got = shared.draft(steps).col_sums(steps)
+        assert got is shared.draft(steps).col_sums(steps)  # computed once
+        want = plain.draft(steps).col_sums(steps)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_teacher_forcing_the_full_cache_reproduces_its_greedy_decode():
@@ -208,3 +293,24 @@ def test_a_bad_profile_is_refused_at_start_up(profile_path, tmp_path, capsys):
             load_compression_profile(cfg)
     assert main(["serve", "--compression-profile", str(tmp_path / "version.json")]) == 2
     assert "refusing to start" in capsys.readouterr().err
+
+
+def test_the_held_out_check_reads_the_profiles_entry_per_budget(profile_path):
+    """``calibrate_check``: the default and the profile's entry per budget on a member's held-out examples,
+    each with its Wilson interval, and their difference in points."""
+    import re
+
+    from vlkv.tools.calibrate_check import check_member
+
+    lines = check_member("default", str(profile_path), 4, BUDGETS)
+    assert lines[0].startswith("default (held-out, n=4, full ")
+    profile = read_profile(profile_path)
+    rows = [line for line in lines if re.match(r"\| 0\.\d+ \|", line)]
+    assert len(rows) == len(BUDGETS)
+    interval = re.compile(r"([\d.]+) \(([\d.]+)-([\d.]+)\)")
+    for b, row in zip(BUDGETS, rows, strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        d, d_lo, d_hi = map(float, interval.match(cells[1]).groups())
+        p = float(interval.match(cells[2]).group(1))
+        assert d_lo <= d <= d_hi and f"({profile.entry_for(b).candidate} @ " in cells[2]
+        assert float(cells[3]) == round(100 * (p - d), 1)

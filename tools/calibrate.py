@@ -20,8 +20,9 @@ Cost per 1K-token prompt on SmolLM2-135M (one CPU thread, fp32): the prefill ~3 
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,6 +38,7 @@ from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.prefill_worker.draft_queries import Draft
 from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, policy_stats, prepare
@@ -50,9 +52,17 @@ mentioned in the provided text is 1234567", ~25 tokens); 16 tokens saw only the 
 niah_single_1 chose a preset that keeps none of the values (``common/compression/README.md``)."""
 THRESHOLD = 0.01
 _VL = {"policy": "vlcache"}
-# (label, policy dict): the declared grid, one change at a time from the default, plus the baselines
+# (label, policy dict): the declared grid, one change at a time from the default (at most two: the window
+# off with the draft alone), plus the baselines. Each vlcache row keeps the default's options but the ones it
+# names, the 16-token draft (lookahead 16, weight 0.5) included.
 CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("default", PRESETS["vlcache_default"]),
+    ("lookahead: off", {**_VL, "lookahead": 0}),
+    ("lookahead: 8", {**_VL, "lookahead": 8}),
+    ("lookahead: weight 1.0", {**_VL, "lookahead_weight": 1.0}),
+    ("lookahead: 8, weight 1.0", {**_VL, "lookahead": 8, "lookahead_weight": 1.0}),
+    ("window: off, lookahead weight 1.0", {**_VL, "post_vision_window": False, "lookahead_weight": 1.0}),
+    ("window: slope 5", {**_VL, "post_vision_slope": 5.0}),
     ("paper (vlcache_paper)", PRESETS["vlcache_paper"]),
     ("allocator: Algorithm 1", {**_VL, "allocator": {"name": "sparsity"}}),
     ("allocator: uniform", {**_VL, "allocator": {"name": "uniform"}}),
@@ -89,11 +99,16 @@ class _Score:
 
 @dataclass
 class Calibration:
+    """The running table; ``trace``, when kept, one ``{"candidate|budget": [agreement, kl]}`` per prompt."""
+
     table: dict[tuple[str, float], _Score] = field(default_factory=dict)
+    trace: list[dict[str, list[float]]] | None = None
 
     def add(self, key: tuple[str, float], agreement: float, kl: float) -> None:
         s = self.table.setdefault(key, _Score())
         s.agreement, s.kl, s.prompts = s.agreement + agreement, s.kl + kl, s.prompts + 1
+        if self.trace is not None:
+            self.trace[-1][f"{key[0]}|{key[1]:g}"] = [agreement, kl]
 
     def rows(self) -> list[dict]:
         policies = dict(CANDIDATES)
@@ -103,18 +118,36 @@ class Calibration:
                 "budget": budget,
                 "agreement": round(s.agreement / s.prompts, 6),
                 "kl": round(s.kl / s.prompts, 6),
+                "prompts": s.prompts,
                 "policy": policy_from_dict(policies[label]).to_dict(),
             }
             for (label, budget), s in self.table.items()
         ]
 
 
+def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
+    """Successive halving's cut: per budget the ``keep`` best rows (``best_per_budget``'s order) and the default,
+    the candidates measured on the prompts after the screening ones."""
+    order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
+    out = {}
+    for b in budgets:
+        mine = sorted(
+            (r for r in rows if r["budget"] == b),
+            key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]),
+        )
+        out[b] = {r["candidate"] for r in mine[:keep]} | {CANDIDATES[0][0]}
+    return out
+
+
 def best_per_budget(rows: list[dict], budgets) -> list[ProfileEntry]:
-    """Per budget the row with the highest agreement, ties to the lower KL, then to the grid's order."""
+    """Per budget the row with the highest agreement, ties to the lower KL, then to the grid's order (among
+    the rows measured on every prompt)."""
     order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
     entries = []
     for b in budgets:
         mine = [r for r in rows if r["budget"] == b]
+        most = max(r.get("prompts", 0) for r in mine)  # after a screening: only the rows measured on all
+        mine = [r for r in mine if r.get("prompts", 0) == most]
         best = min(mine, key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]))
         entries.append(ProfileEntry(b, best["candidate"], policy_from_dict(best["policy"])))
     return entries
@@ -145,8 +178,31 @@ def _engine(model, caches, steps: int) -> InProcessEngine:
     )
 
 
-def measure_chunk(model, prepared, budgets, tokens: int, out: Calibration) -> None:
-    """Reference decode of the chunk's full caches, then every candidate x budget teacher-forced."""
+class _SharedDraft(Draft):
+    """A prompt's draft whose per-layer column sums are computed once per row count: every candidate with the
+    same ``lookahead`` reads the same sums (``Draft.col_sums``, the same bits)."""
+
+    def col_sums(self, rows: int, threshold: float = 0.01) -> list[torch.Tensor]:
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (min(rows, self.rows), threshold)
+        if key not in memo:
+            memo[key] = super().col_sums(rows, threshold)
+        return memo[key]
+
+
+def _share_draft(p, policies, budgets) -> None:
+    """Run ``p``'s draft once with the most steps any candidate asks for, its column sums shared."""
+    steps = max(policy.lookahead_steps(b, p.m, p.tau) for policy in policies for b in budgets)
+    if steps:
+        d = p.draft(steps)
+        p._draft = _SharedDraft(**{f.name: getattr(d, f.name) for f in fields(Draft)})
+
+
+def measure_chunk(
+    model, prepared, budgets, tokens: int, out: Calibration, active: dict[float, set[str]] | None = None
+) -> None:
+    """Reference decode of the chunk's full caches, then every candidate x budget teacher-forced (``active``:
+    only those candidates per budget)."""
     full = [
         get_policy("full").compress(
             None, p.keys, p.values, alpha=1.0, m=p.m, tau=p.tau, first_token=p.first_token
@@ -161,25 +217,31 @@ def measure_chunk(model, prepared, budgets, tokens: int, out: Calibration) -> No
 
     ref = _engine(model, full, tokens).teacher_force(full, tokens, observe=keep_ref)
     del full
-    policies = [(label, policy_from_dict(d)) for label, d in CANDIDATES]
+    keys = [
+        (label, policy_from_dict(d), b)
+        for label, d in CANDIDATES
+        for b in budgets
+        if active is None or label in active[b]
+    ]
     for i, p in enumerate(prepared):
-        caches, slot, seen = [], [], {}  # slot[j]: the cache of (candidate, budget) j
-        for _, policy in policies:
-            for b in budgets:
-                stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
-                cache = policy.compress(
-                    stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
-                )
-                # two candidates that keep the same positions hold the same cache: decode it once
-                kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
-                if kept not in seen:
-                    seen[kept] = len(caches)
-                    caches.append(cache)
-                slot.append(seen[kept])
+        _share_draft(p, [policy for _, policy, _ in keys], budgets)
+        caches, slot, seen = [], [], {}  # slot[j]: the cache of keys[j]
+        for _, policy, b in keys:
+            stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
+            cache = policy.compress(
+                stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
+            )
+            # two candidates that keep the same positions hold the same cache: decode it once
+            kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
+            if kept not in seen:
+                seen[kept] = len(caches)
+                caches.append(cache)
+            slot.append(seen[kept])
         scores = _agreement(model, caches, ref[i], ref_logp[i])
-        keys = [(label, b) for label, _ in policies for b in budgets]
-        for key, c in zip(keys, slot, strict=True):
-            out.add(key, *scores[c])
+        if out.trace is not None:
+            out.trace.append({})
+        for (label, _, b), c in zip(keys, slot, strict=True):
+            out.add((label, b), *scores[c])
 
 
 def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> list[tuple[float, float]]:
@@ -206,14 +268,23 @@ def calibrate(
     dtype: str = "float32",
     max_prompts: int = 0,
     chunk: int = 8,
+    screen: int = 0,
+    keep: int = 4,
+    trace: str = "",
 ) -> tuple[Path, CompressionProfile, float]:
-    """Run the calibration; returns the profile's path, the profile and the seconds it took."""
+    """Run the calibration; returns the profile's path, the profile and the seconds it took.
+
+    screen: successive halving: every candidate on the first ``screen`` prompts, then per budget only the
+    ``keep`` best so far and the default on the rest (0: every candidate on every prompt). trace: write every
+    prompt's agreement and KL per (candidate, budget) there as JSON lines."""
     start = time.perf_counter()
     budgets = tuple(sorted(float(b) for b in budgets))
     if not budgets or any(not 0.0 < b < 1.0 for b in budgets):
         raise ValueError(f"budgets must lie in (0, 1), got {budgets}")
     if tokens < 2:
         raise ValueError("tokens must be >= 2 (the first is the prefill's, the same for every cache)")
+    if screen < 0 or keep < 1:
+        raise ValueError(f"screen must be >= 0 and keep >= 1, got {screen} and {keep}")
     requests, digest = read_prompts(prompts)
     requests = requests[:max_prompts] if max_prompts else requests
     cfg = ModelConfig(path=model_dir, dtype=dtype)
@@ -221,31 +292,49 @@ def calibrate(
     processor = load_processor(model_dir)
     spec = ModelSpec.from_model(model, processor.tokenizer)
     examples = list(_examples(requests, processor, Limits()))
-    result = Calibration()
-    for at in track(range(0, len(examples), chunk), desc="calibrate", unit="chunk"):
-        prepared = prepare(model, processor, examples[at : at + chunk], progress=False, task=_RenderedTask)
-        measure_chunk(model, prepared, budgets, tokens, result)
+    result = Calibration(trace=[] if trace else None)
+    cut = screen if 0 < screen < len(examples) else len(examples)
+    starts = [*range(0, cut, chunk), *range(cut, len(examples), chunk)]
+    active = None
+    for at in track(starts, desc="calibrate", unit="chunk"):
+        if at == cut and cut < len(examples):
+            active = survivors(result.rows(), budgets, keep)
+        end = min(at + chunk, cut if at < cut else len(examples))
+        prepared = prepare(
+            model, processor, examples[at:end], progress=False, task=_RenderedTask, next_attention=False
+        )
+        measure_chunk(model, prepared, budgets, tokens, result, active)
     rows = result.rows()
+    measure = {"tokens": tokens, "threshold": THRESHOLD, "candidates": len(CANDIDATES)}
+    if active is not None:
+        measure.update(screen=cut, keep=keep)
     profile = CompressionProfile(
         model={"fingerprint": spec.fingerprint, "path": str(Path(model_dir).resolve()), "dtype": dtype},
         prompts={"digest": digest, "count": len(requests), "file": Path(prompts).name},
-        measure={"tokens": tokens, "threshold": THRESHOLD, "candidates": len(CANDIDATES)},
+        measure=measure,
         entries=best_per_budget(rows, budgets),
         table=rows,
     )
     path = Path(out) if out else Path(model_dir) / PROFILE_FILENAME
     profile.write(path)
+    if trace:
+        Path(trace).write_text("".join(json.dumps(t) + "\n" for t in result.trace or []))
     return path, profile, time.perf_counter() - start
 
 
 def format_table(profile: CompressionProfile) -> str:
-    """The agreement table as markdown: a row per candidate, agreement / KL per budget, the choice starred."""
+    """The agreement table as markdown: a row per candidate, agreement / KL per budget, the choice starred, the
+    prompts a row was measured on when a screening cut it (``--screen``)."""
     budgets = profile.budgets
+    count = profile.prompts.get("count", 0)
     chosen = {(e.candidate, e.budget) for e in profile.entries}
     cells: dict[str, dict[float, str]] = {}
     for r in profile.table:
         star = " *" if (r["candidate"], r["budget"]) in chosen else ""
-        cells.setdefault(r["candidate"], {})[r["budget"]] = f"{r['agreement']:.3f} / {r['kl']:.3f}{star}"
+        screened = f" ({r['prompts']} prompts)" if r.get("prompts", count) < count else ""
+        cells.setdefault(r["candidate"], {})[r["budget"]] = (
+            f"{r['agreement']:.3f} / {r['kl']:.3f}{star}{screened}"
+        )
     head = "| candidate | " + " | ".join(f"{b:g}: agreement / KL" for b in budgets) + " |"
     lines = [head, "|" + " --- |" * (len(budgets) + 1)]
     lines += [f"| {c} | " + " | ".join(v.get(b, "") for b in budgets) + " |" for c, v in cells.items()]

@@ -1,6 +1,6 @@
 """Held-out accuracy of the default policy beside a compression profile or other rows, with the zoo's own
-machinery (``tools/eval/zoo.py``: one prefill per example, every row compressed and decoded through the
-in-process engine, the task's ``is_correct``).
+machinery (``tools/eval/zoo_scoring.py``: one prefill per example, every row compressed and decoded through
+the in-process engine, the task's ``is_correct``; no oracle rows), each with its 95% Wilson interval.
 
     python -m vlkv.tools.calibrate_check --member deep8 --profile P.json [-n 200] [--budgets 0.01,...]
     python -m vlkv.tools.calibrate_check --text-suite [--tasks needle,multikey,kv] [--length 1024] [-n 8]
@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 from vlkv.common.compression.profile import CompressionProfile, read_profile
 from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.tools.eval.zoo import ZOO_BUDGETS, evaluate_many, run_member
+from vlkv.tools.eval.zoo import ZOO_BUDGETS, evaluate_many
+from vlkv.tools.eval.zoo_scoring import wilson
 
 TEXT_ROWS = [
     (DEFAULT_POLICY, DEFAULT_POLICY, {}),
@@ -37,20 +38,61 @@ def profile_rows(profile: CompressionProfile) -> list[tuple[str, str, dict]]:
     return [(label, p, params) for label, (p, params) in rows.items()]
 
 
-def _cells(accs: dict, b: float, profile: CompressionProfile | None, labels) -> list[str]:
-    cells = [f"{accs[label][str(b)]:.3f}" for label in labels]
+def _acc(a: float, n: int) -> str:
+    """The accuracy with its 95% Wilson interval when n is known."""
+    if not n:
+        return f"{a:.3f}"
+    lo, hi = wilson(round(a * n), n)
+    return f"{a:.3f} ({lo:.2f}-{hi:.2f})"
+
+
+def _cells(accs: dict, b: float, profile: CompressionProfile | None, labels, n: int = 0) -> list[str]:
+    cells = [_acc(accs[label][str(b)], n) for label in labels]
     if profile is not None:
         e = profile.entry_for(b)
         p, d = accs[f"profile: {e.candidate}"][str(b)], accs[DEFAULT_POLICY][str(b)]
-        cells.append(f"{p:.3f} ({e.candidate} @ {e.budget:g}) | {100 * (p - d):+.1f}")
+        cells.append(f"{_acc(p, n)} ({e.candidate} @ {e.budget:g}) | {100 * (p - d):+.1f}")
     return cells
 
 
-def _table(title: str, accs: dict, budgets, profile, labels) -> list[str]:
+def _table(title: str, accs: dict, budgets, profile, labels, n: int = 0) -> list[str]:
     head = ["budget", *labels] + (["profile (entry)", "profile - default"] if profile else [])
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    lines += [f"| {b:g} | " + " | ".join(_cells(accs, b, profile, labels)) + " |" for b in budgets]
+    lines += [f"| {b:g} | " + " | ".join(_cells(accs, b, profile, labels, n)) + " |" for b in budgets]
     return lines
+
+
+def _member(name: str, n: int, seed: int, rows_at, budgets, chunk: int = 50) -> dict:
+    """A zoo member's held-out rows as ``vlkv eval --zoo`` scores them (``zoo_scoring``: one prefill per
+    example, the full cache's answers, every row compressed and decoded through the in-process engine), at
+    each budget only the rows ``rows_at(budget)`` (the default and the profile's entry there), without the
+    oracle rows this check does not read."""
+    from vlkv.common.config import ModelConfig
+    from vlkv.common.model.loading import load_model, load_processor
+    from vlkv.tools.eval.evaluation import prepare
+    from vlkv.tools.eval.zoo_report import finalize
+    from vlkv.tools.eval.zoo_scoring import full_answers, merge, score_rows
+    from vlkv.tools.progress import progress as track
+    from vlkv.tools.zoo import member
+
+    mod = member(name)
+    model = load_model(ModelConfig(path=str(mod.model_dir)))
+    processor = load_processor(str(mod.model_dir))
+    examples = mod.make_examples(n, seed=seed, split="heldout")
+    hits: dict = {}
+    for at in track(range(0, n, chunk), desc=name, unit=f"{chunk} examples"):
+        prepared = prepare(
+            model, processor, examples[at : at + chunk], progress=False, task=mod, next_attention=False
+        )
+        full_ids, right = full_answers(model, processor, prepared, mod.max_new_tokens)
+        for b in budgets:
+            part = score_rows(
+                model, processor, prepared, full_ids, rows_at(b), [b], mod.max_new_tokens, oracle=False
+            )
+            merge(right, part)
+        merge(hits, right)
+        del prepared
+    return finalize({"hits": hits})
 
 
 def check_member(member: str, profile_path: str, n: int, budgets, seed: int = 0) -> list[str]:
@@ -61,9 +103,14 @@ def check_member(member: str, profile_path: str, n: int, budgets, seed: int = 0)
     if member.startswith("text:"):
         out = _text_task(member, n, seed, configs, budgets)
     else:
-        out = run_member(member, n, seed, "heldout", configs, budgets)
+
+        def rows_at(b: float) -> list:
+            mine = f"profile: {profile.entry_for(b).candidate}"
+            return [c for c in configs if c[0] in (DEFAULT_POLICY, mine)]
+
+        out = _member(member, n, seed, rows_at, budgets)
     title = f"{member} (held-out, n={n}, full {out['full']:.3f}), profile {profile.label}"
-    return _table(title, out["rows"], budgets, profile, [DEFAULT_POLICY])
+    return _table(title, out["rows"], budgets, profile, [DEFAULT_POLICY], n)
 
 
 def _text_task(name: str, n: int, seed: int, configs, budgets) -> dict:

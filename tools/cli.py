@@ -471,7 +471,16 @@ def cmd_calibrate(args) -> int:
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     path, profile, seconds = calibrate(
-        args.model, args.prompts, budgets, args.n, args.out, args.dtype, args.max_prompts
+        args.model,
+        args.prompts,
+        budgets,
+        args.n,
+        args.out,
+        args.dtype,
+        args.max_prompts,
+        screen=args.screen,
+        keep=args.keep,
+        trace=args.trace,
     )
     print(format_table(profile))
     chosen = ", ".join(f"{e.budget:g}: {e.candidate}" for e in profile.entries)
@@ -759,6 +768,17 @@ def main(argv: list[str] | None = None) -> int:
         "answer ends sooner at its end token)",
     )
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument(
+        "--screen",
+        type=int,
+        default=0,
+        help="successive halving: every candidate on the first N prompts, then per budget only the --keep best "
+        "and the default (0: every candidate on every prompt)",
+    )
+    p.add_argument("--keep", type=int, default=4, help="with --screen: candidates kept per budget")
+    p.add_argument(
+        "--trace", default="", help="write each prompt's agreement and KL per candidate (JSON lines)"
+    )
     p.add_argument("--dtype", default="float32", help="the dtype the model will be served in (fingerprinted)")
     p.add_argument("--out", default="", help="where to write (default: <model>/compression_profile.json)")
     p.set_defaults(func=cmd_calibrate)

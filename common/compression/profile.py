@@ -29,7 +29,7 @@ PROFILE_FORMAT = "vlkv.compression_profile"
 PROFILE_VERSION = 1
 PROFILE_FILENAME = "compression_profile.json"
 _TOP_KEYS = ("format", "version", "model", "prompts", "measure", "entries", "table")
-_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "policy")
+_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "prompts", "policy")  # prompts: optional
 
 
 @dataclass

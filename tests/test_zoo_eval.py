@@ -8,6 +8,7 @@ import torch
 from vlkv.tools.eval import zoo_text
 from vlkv.tools.eval.zoo import ABLATION, _configs
 from vlkv.tools.eval.zoo_scoring import FULL, _decode_unique
+from vlkv.tools.progress import Progress
 
 
 def _cache(*positions):
@@ -44,12 +45,16 @@ class _Task:
 
 
 def _fake_pipeline(monkeypatch, right_of):
-    calls = {"prepare": 0, "rows": []}
+    calls = {"prepare": 0, "rows": [], "slim": []}
 
-    def prepare(model, processor, part, progress, task, next_attention):
+    def prepare(model, processor, part, progress, task, next_attention, counter=None):
         calls["prepare"] += 1
         calls.setdefault("prepare_items", []).append(len(part))
-        return [SimpleNamespace(m=10, example=i) for i in part]
+        if counter is not None:
+            counter.update(len(part))
+        return [
+            SimpleNamespace(m=10, example=i, keep_stats=lambda *a, i=i: calls["slim"].append(i)) for i in part
+        ]
 
     def full_answers(model, processor, prepared, max_new_tokens):
         return [[p.example] for p in prepared], {FULL: {"1.0": [right_of(p.example) for p in prepared]}}
@@ -81,12 +86,22 @@ def test_a_task_below_the_bar_stops_once_too_many_are_wrong_and_runs_no_row(monk
 
 def test_a_task_the_model_can_do_scores_every_row_in_chunks(monkeypatch):
     calls = _fake_pipeline(monkeypatch, lambda i: True)
-    monkeypatch.setattr(zoo_text, "_nbytes", lambda p: 1)
+    monkeypatch.setattr(zoo_text, "_nbytes", lambda p, slim=False: 1)
     monkeypatch.setattr(zoo_text, "KEEP_BYTES", 12)  # the first 12 prefills are kept for the rows
-    r = zoo_text.run_task(None, None, _Task(0), 30, 0, "heldout", [], [0.1], 25, True, screen=10)
+    bar = Progress(60, disable=True)
+    r = zoo_text.run_task(None, None, _Task(0), 30, 0, "heldout", [], [0.1], 25, True, screen=10, bar=bar)
     assert "dropped" not in r and calls["rows"] == [25, 5]
     assert calls["prepare_items"] == [10, 10, 10, 13, 5]  # 3 screens, then the items not kept
+    assert calls["slim"] == list(range(12))  # the kept ones keep their statistics, not their queries
     assert len(r["hits"]["row"]["0.1"]) == 30 and r["real_decoder"]
+    assert bar.n == 60  # two steps an item: the screens' prefills (not the second ones), the rows
+
+
+def test_a_dropped_task_fills_its_share_of_the_runs_bar(monkeypatch):
+    _fake_pipeline(monkeypatch, lambda i: False)
+    bar = Progress(100, disable=True)
+    zoo_text.run_task(None, None, _Task(0), 50, 0, "heldout", [], [0.1], 25, True, screen=10, bar=bar)
+    assert bar.n == 100  # 10 prefills, then the rest of its 2 x 50 steps at once
 
 
 def test_rows_filter_picks_ablation_rows_by_label_and_refuses_unknown_ones():
@@ -95,3 +110,31 @@ def test_rows_filter_picks_ablation_rows_by_label_and_refuses_unknown_ones():
     assert _configs(True) == list(ABLATION)
     with pytest.raises(ValueError, match="unknown --rows"):
         _configs(True, "no such row")
+
+
+def _prepared(seed: int = 0, m: int = 48, tau: int = 16):
+    from vlkv.tools.eval.evaluation import Prepared
+
+    g = torch.Generator().manual_seed(seed)
+    q = [torch.randn(4, m, 8, generator=g) for _ in range(2)]
+    k = [torch.randn(2, m, 8, generator=g) for _ in range(2)]
+    v = [torch.randn(2, m, 8, generator=g) for _ in range(2)]
+    return Prepared(None, m, tau, 3, q, k, v, [], 8**-0.5)
+
+
+def test_a_prefill_kept_without_its_queries_compresses_bit_for_bit_as_before():
+    from vlkv.tools.eval.evaluation import compress
+
+    rows = [("h2o", "h2o", {}), ("snapkv", "snapkv", {}), ("pyramidkv", "pyramidkv", {"pyramid_beta": 2.0})]
+    budgets = [0.05, 0.25, 1.0]
+    slim, fresh = _prepared(), _prepared()
+    slim.keep_stats(rows, budgets)
+    assert slim.q == []  # the queries are freed
+    for _, policy, params in rows:
+        for b in budgets:
+            a, c = compress(slim, policy, b, **params), compress(fresh, policy, b, **params)
+            assert a.layer_lengths == c.layer_lengths
+            assert all(torch.equal(x, y) for x, y in zip(a.keys, c.keys, strict=True))
+            assert all(torch.equal(x, y) for x, y in zip(a.values, c.values, strict=True))
+    with pytest.raises(ValueError, match="not kept"):  # a row it was not kept for fails loudly
+        slim.stats(1, 0.01)

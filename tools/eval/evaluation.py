@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from vlkv.common.compression.lookahead import with_draft
-from vlkv.common.compression.registry import CompressionSettings, get_policy
+from vlkv.common.compression.registry import DEFAULT_POLICY, CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
@@ -80,11 +80,25 @@ class Prepared:
     def stats(self, q0: int, threshold: float) -> list:
         key = (q0, threshold)
         if key not in self._stats:
+            if not self.q:
+                raise ValueError(f"statistics from row {q0} were not kept before the queries were freed")
             self._stats[key] = [
                 attention_stats(q[:, q0:], k, q_start=q0, scale=self.scale, threshold=threshold)
                 for q, k in zip(self.q, self.keys, strict=True)
             ]
         return self._stats[key]
+
+    def keep_stats(self, configs, budgets, threshold: float = 0.01) -> None:
+        """Compute now the statistics every ``(label, policy, params)`` row reads at every budget (the
+        default policy's too: the oracle's budgets), then free the queries (``[H, m, D]`` per layer, the
+        largest part of a prefill); ``stats`` returns the kept ones, bit for bit the same."""
+        rows = [(policy, params) for _, policy, params in configs] + [(DEFAULT_POLICY, {})]
+        for policy_name, params in rows:
+            policy = get_policy(policy_name, **params)
+            for b in budgets:
+                if policy.requires_stats and not policy.is_full(b):
+                    self.stats(policy.query_start(self.m, self.tau), threshold)
+        self.q = []
 
     def draft(self, steps: int) -> Draft:
         """The greedy draft lookahead scoring reads (``prefill_worker/draft_queries.run_draft``, as the prefill
@@ -107,12 +121,14 @@ def prepare(
     progress: bool = True,
     task: Any = synthetic_task,
     next_attention: bool = True,
+    counter: Any = None,
 ) -> list[Prepared]:
     """Prefill every example once with the prefill worker's forward, recording every layer's Q and K.
 
     task: the module whose ``prompt_text`` renders the prompt and whose ``is_correct`` scores the answers.
     next_attention: also the first decoding token's attention (``cache_hit_rate``'s truth; one more decode
-    step per example, which ``vlkv eval --zoo`` does not read)."""
+    step per example, which ``vlkv eval --zoo`` does not read). counter: a ``tools.progress.Progress`` told of
+    each example as its prefill ends (``vlkv eval --zoo``'s one bar over the whole run)."""
     spec = ModelSpec.from_model(model, processor.tokenizer)
     engine = PrefillEngine(model, spec)
     out = []
@@ -149,6 +165,8 @@ def prepare(
                 spec.eos_token_ids,
             )
         )
+        if counter is not None:
+            counter.update(1)
     return out
 
 

@@ -34,6 +34,7 @@ from vlkv.tools.eval.evaluation import prepare
 from vlkv.tools.eval.zoo_report import finalize, worst_member
 from vlkv.tools.eval.zoo_scoring import FULL, merge, score_chunk
 from vlkv.tools.eval.zoo_text import run_text
+from vlkv.tools.progress import Progress
 from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import MEMBERS, member, text_suite
 
@@ -129,10 +130,19 @@ def _configs(ablation: bool, rows: str = "") -> list[tuple[str, str, dict]]:
 
 
 def run_member(
-    name: str, n: int, seed: int, split: str, configs, budgets, api: bool = False, chunk: int = 50
+    name: str,
+    n: int,
+    seed: int,
+    split: str,
+    configs,
+    budgets,
+    api: bool = False,
+    chunk: int = 50,
+    bar: Progress | None = None,
 ) -> dict:
     """One member's result (``zoo_report``'s shape): every row at every budget, the two oracle rows, per
-    example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk)."""
+    example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk). bar: the run's
+    one progress bar (two steps an example: its prefill, then its rows; its own bar when None)."""
     mod = member(name)
     path = str(mod.model_dir)
     model = load_model(ModelConfig(path=path))
@@ -142,8 +152,10 @@ def run_member(
     texts: dict = {}
     ms: list[int] = []
     parts = [examples[i : i + chunk] for i in range(0, len(examples), chunk)]
-    for part in track(parts, desc=name, unit=f"{chunk} examples"):
-        prepared = prepare(model, processor, part, progress=False, task=mod, next_attention=False)
+    for part in track(parts, desc=name, unit=f"{chunk} examples", disable=bar is not None):
+        prepared = prepare(
+            model, processor, part, progress=False, task=mod, next_attention=False, counter=bar
+        )
         ms += [p.m for p in prepared]
         part_texts: dict = {}
         merge(
@@ -151,6 +163,8 @@ def run_member(
             score_chunk(model, processor, prepared, configs, budgets, mod.max_new_tokens, texts=part_texts),
         )
         merge(texts, part_texts)
+        if bar is not None:
+            bar.update(len(part))
         del prepared
         gc.collect()
     out = finalize({"hits": hits, "m": sum(ms) / len(ms), "geometry": mod.geometry})
@@ -226,20 +240,25 @@ def run_zoo(args) -> int:
         )
         return md
 
-    for name in names:
-        if name == TEXT:
-            lengths = [int(x) for x in str(getattr(args, "text_lengths", "") or "1024,2048").split(",")]
-            tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.DEFAULT_TASKS)).split(",")
-            for task_name, r in run_text(
-                tasks, lengths, getattr(args, "text_n", 50), args.seed, split, configs, budgets
-            ):
-                results[task_name] = finalize(r)
-                write()
-            continue
-        results[name] = run_member(
-            name, args.n, args.seed, split, configs, budgets, api=getattr(args, "api", False)
-        )
-        write()
+    lengths = [int(x) for x in str(getattr(args, "text_lengths", "") or "1024,2048").split(",")]
+    tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.DEFAULT_TASKS)).split(",")
+    text_n = getattr(args, "text_n", 50)
+    examples = sum(len(tasks) * len(lengths) * text_n if name == TEXT else args.n for name in names)
+    # one bar over the whole run, two steps an example (its prefill, then its rows), with an ETA
+    with Progress(2 * examples, desc="vlkv eval --zoo", unit="steps") as bar:
+        for name in names:
+            bar.set_postfix(name)
+            if name == TEXT:
+                for task_name, r in run_text(
+                    tasks, lengths, text_n, args.seed, split, configs, budgets, bar=bar
+                ):
+                    results[task_name] = finalize(r)
+                    write()
+                continue
+            results[name] = run_member(
+                name, args.n, args.seed, split, configs, budgets, api=getattr(args, "api", False), bar=bar
+            )
+            write()
     md = write()
     zoo_report.plot(results, budgets, out / f"{stem}.png")
     print("\n".join(md))

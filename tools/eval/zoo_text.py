@@ -16,6 +16,7 @@ from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval.evaluation import prepare
 from vlkv.tools.eval.zoo_scoring import FULL, full_answers, merge, score_rows, wilson
+from vlkv.tools.progress import Progress
 from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import text_suite as ts
 
@@ -23,7 +24,9 @@ MIN_FULL = 0.9
 SCREEN = 5
 """Items per step of the full-cache pass (a task the model cannot do stops after the first)."""
 KEEP_BYTES = 3 << 30
-"""The first pass's prefills (Q, K, V) kept for the rows, up to this many bytes (~50 items at 1K tokens)."""
+"""The first pass's prefills kept for the rows, up to this many bytes: each kept with its keys, values and
+the statistics the rows read, its queries freed (``Prepared.keep_stats``; 50 items at 2K tokens in
+bfloat16 take ~2.4 GB); the items after them are prefilled again for the rows."""
 TEXT_LENGTHS = (1024, 2048)
 """The default run's lengths; 4,096 behind ``--text-lengths``."""
 
@@ -67,27 +70,55 @@ def load_text_model():
 
 
 def run_text(
-    tasks, lengths, n: int, seed: int, split: str, configs, budgets, chunk: int = 25, oracle: bool = True
+    tasks,
+    lengths,
+    n: int,
+    seed: int,
+    split: str,
+    configs,
+    budgets,
+    chunk: int = 25,
+    oracle: bool = True,
+    bar: Progress | None = None,
 ):
     """Yields ``(name, result)`` per (task, length) as each finishes; ``result`` as ``zoo.run_member``'s
-    (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do."""
+    (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do. bar: as
+    ``run_task``'s."""
     model, processor = load_text_model()
     for length in lengths:
         for task in tasks:
             t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
-            yield t.name, run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle)
+            if bar is not None:
+                bar.set_postfix(t.name)
+            yield (
+                t.name,
+                run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle, bar=bar),
+            )
     del model
     gc.collect()
 
 
 def run_task(
-    model, processor, t: TextTask, n, seed, split, configs, budgets, chunk, oracle, screen: int = SCREEN
+    model,
+    processor,
+    t: TextTask,
+    n,
+    seed,
+    split,
+    configs,
+    budgets,
+    chunk,
+    oracle,
+    screen: int = SCREEN,
+    bar: Progress | None = None,
 ) -> dict:
     """Two passes. First the full cache alone, ``screen`` items at a time: the task is dropped as soon as its
     full-cache accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over the items so far is
     below it, or more items are wrong than ``MIN_FULL`` of all of them allows), or when it ends below it; no row is run for a dropped task. Then, chunk by chunk, every row and
     the oracles (from the first pass's full-cache answers), on the first pass's prefills while they fit in
-    ``KEEP_BYTES``, on new ones after."""
+    ``KEEP_BYTES`` (each kept as ``Prepared.keep_stats`` leaves it), on new ones after. bar: the run's one
+    progress bar, two steps an item (its prefill, its rows; a dropped task's rest at once); its own bars
+    when None."""
     items = t.make_examples(n, seed, split)
     result = {"eviction_trained": False, "real_decoder": True, "geometry": t.geometry}
     ids: list = []
@@ -95,14 +126,18 @@ def run_task(
     ms: list[int] = []
     kept: list = []
     room = KEEP_BYTES
-    for part in track(_parts(items, screen), desc=f"{t.name} full cache", unit=f"{screen} items"):
-        prepared = prepare(model, processor, part, progress=False, task=t, next_attention=False)
+    first = track(
+        _parts(items, screen), desc=f"{t.name} full cache", unit=f"{screen} items", disable=bar is not None
+    )
+    for part in first:
+        prepared = prepare(model, processor, part, progress=False, task=t, next_attention=False, counter=bar)
         ms += [p.m for p in prepared]
         part_ids, full = full_answers(model, processor, prepared, t.max_new_tokens)
         ids += part_ids
         merge(right, full)
         for i, p in enumerate(prepared):  # a prefix of the items, while they fit
-            if len(kept) == len(ids) - len(prepared) + i and _nbytes(p) <= room:
+            if len(kept) == len(ids) - len(prepared) + i and _nbytes(p, slim=True) <= room:
+                p.keep_stats(configs, budgets)
                 kept.append(p)
                 room -= _nbytes(p)
         seen = right[FULL]["1.0"]
@@ -118,9 +153,12 @@ def run_task(
     if "dropped" not in result and sum(seen) / len(seen) < MIN_FULL:
         result["dropped"] = f"full cache {sum(seen) / len(seen):.3f} < {MIN_FULL}"
     if "dropped" in result:
+        if bar is not None:  # the items not prefilled, and no item's rows
+            bar.update(2 * len(items) - len(seen))
         return result | {"hits": right, "m": sum(ms) / len(ms)}
     done = 0
-    for part in track(_parts(items, chunk), desc=f"{t.name} rows", unit=f"{chunk} items"):
+    rows = track(_parts(items, chunk), desc=f"{t.name} rows", unit=f"{chunk} items", disable=bar is not None)
+    for part in rows:
         reuse = kept[done : done + len(part)]
         prepared = reuse + (
             prepare(model, processor, part[len(reuse) :], progress=False, task=t, next_attention=False)
@@ -134,13 +172,16 @@ def run_task(
             right,
             score_rows(model, processor, prepared, part_ids, configs, budgets, t.max_new_tokens, oracle),
         )
+        if bar is not None:
+            bar.update(len(part))
         del prepared, reuse
         gc.collect()
     return result | {"hits": right, "m": sum(ms) / len(ms)}
 
 
-def _nbytes(p) -> int:
-    tensors = [*getattr(p, "q", []), *getattr(p, "keys", []), *getattr(p, "values", [])]
+def _nbytes(p, slim: bool = False) -> int:
+    """Bytes of a prefill's tensors; ``slim``: as kept (``Prepared.keep_stats``: no queries)."""
+    tensors = [*([] if slim else getattr(p, "q", [])), *getattr(p, "keys", []), *getattr(p, "values", [])]
     return sum(x.numel() * x.element_size() for x in tensors)
 
 

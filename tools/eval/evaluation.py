@@ -88,11 +88,13 @@ class Prepared:
             ]
         return self._stats[key]
 
-    def keep_stats(self, configs, budgets, threshold: float = 0.01) -> None:
-        """Compute now the statistics every ``(label, policy, params)`` row reads at every budget (the
-        default policy's too: the oracle's budgets), then free the queries (``[H, m, D]`` per layer, the
-        largest part of a prefill); ``stats`` returns the kept ones, bit for bit the same."""
-        rows = [(policy, params) for _, policy, params in configs] + [(DEFAULT_POLICY, {})]
+    def keep_stats(self, configs, budgets, oracle: bool = True, threshold: float = 0.01) -> None:
+        """Compute now the statistics every ``(label, policy, params)`` row reads at every budget (with
+        ``oracle`` the default policy's too: the oracle's budgets), then free the queries (``[H, m, D]`` per
+        layer, the largest part of a prefill); ``stats`` returns the kept ones, bit for bit the same."""
+        rows = [(policy, params) for _, policy, params in configs] + (
+            [(DEFAULT_POLICY, {})] if oracle else []
+        )
         for policy_name, params in rows:
             policy = get_policy(policy_name, **params)
             for b in budgets:

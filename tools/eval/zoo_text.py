@@ -137,7 +137,7 @@ def run_task(
         merge(right, full)
         for i, p in enumerate(prepared):  # a prefix of the items, while they fit
             if len(kept) == len(ids) - len(prepared) + i and _nbytes(p, slim=True) <= room:
-                p.keep_stats(configs, budgets)
+                p.keep_stats(configs, budgets, oracle)
                 kept.append(p)
                 room -= _nbytes(p)
         seen = right[FULL]["1.0"]

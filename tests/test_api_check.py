@@ -58,13 +58,22 @@ def _rows(md: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "name, file, concurrency",  # 1: both sides decode each answer alone (bfloat16 is not batch-invariant)
-    [("text:niah_single_1", "text_niah_single_1", "1"), ("smol_objects", "smol_objects", "2")],
+    "name, file, flags",  # concurrency 1: both sides decode each answer alone (bfloat16 is not batch-invariant)
+    [
+        ("text:niah_single_1", "text_niah_single_1", ["--concurrency", "1"]),
+        ("text:niah_single_1", "text_niah_single_1", ["--concurrency", "2", "--dtype", "float32"]),
+        ("smol_objects", "smol_objects", ["--concurrency", "2"]),
+    ],
 )
-def test_a_member_is_asked_through_the_api_and_its_answers_compared(tmp_path, name, file, concurrency):
-    argv = ["eval", "--api", "--member", name, "-n", "2", "--budgets", "0.05", "--concurrency", concurrency]
+def test_a_member_is_asked_through_the_api_and_its_answers_compared(tmp_path, name, file, flags):
+    argv = ["eval", "--api", "--member", name, "-n", "2", "--budgets", "0.05", *flags]
     assert main([*argv, "--out", str(tmp_path)]) == 0  # 0 answers differ
-    rows = _rows((tmp_path / f"api_check_{file}.md").read_text())
+    md = (tmp_path / f"api_check_{file}.md").read_text()
+    dtype = (
+        flags[flags.index("--dtype") + 1] if "--dtype" in flags else "bfloat16" if ":" in name else "float32"
+    )
+    assert md.splitlines()[0].endswith(f", {dtype})")  # both sides ran in it
+    rows = _rows(md)
     assert [r.split(" | ")[0] for r in rows] == ["| full", "| vlcache 5%"]
     assert all(r.endswith("| 0/2 | 0/2 |") for r in rows)
 

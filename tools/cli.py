@@ -683,6 +683,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
     p.add_argument(
+        "--dtype",
+        default="",
+        choices=["", "float32", "float16", "bfloat16"],
+        help="--api: the dtype both sides run in (default: float32, bfloat16 for text:TASK)",
+    )
+    p.add_argument(
         "--member",
         default="",
         help="--api: a zoo member or text:TASK[:LENGTH] (the real-text suite on SmolLM2, bfloat16) instead of "

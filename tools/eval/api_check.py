@@ -10,7 +10,9 @@ per run, the accuracy and how many answers differ from the in-process table's an
 What is checked (``_target``): the default model's synthetic task (``--model``), or ``--member NAME``, a zoo
 member (``tools/zoo``; a real-decoder member is assembled on first use) or ``text:TASK[:LENGTH]``, a task of
 the real-text suite on SmolLM2-135M-Instruct (``zoo_text.TextTask``, 1,024 tokens unless given), served in
-bfloat16 as ``vlkv eval --zoo`` scores it (``vlkv serve --model DIR --dtype bfloat16``). Each question is
+bfloat16 as ``vlkv eval --zoo`` scores it (``vlkv serve --model DIR --dtype bfloat16``; ``--dtype`` serves and
+scores both sides in another dtype: bfloat16 decoding is not batch-invariant, ``--dtype float32`` with
+``--concurrency`` above 1 checks the batched served path without bfloat16's rounding). Each question is
 the example's one user turn, sent as ``vlkv generate --chat`` sends it (``build_request(question=...)``).
 
 ``--compression-profile PATH`` (a ``vlkv calibrate`` profile of this model, in this dtype) checks the profile
@@ -66,13 +68,14 @@ def _target(args) -> tuple[Target, object, object]:
     it, the synthetic task on ``--model``."""
     name = getattr(args, "member", "") or ""
     split = getattr(args, "split", "heldout")
+    dtype = getattr(args, "dtype", "") or "float32"  # --dtype: both sides; text tasks default to bfloat16
     if name.startswith("text:"):
         from vlkv.tools.eval.zoo_text import TextTask
         from vlkv.tools.zoo import text_suite as ts
         from vlkv.tools.zoo.smollm2 import text_checkpoint
 
         _, task, *length = name.split(":")
-        path, dtype = str(text_checkpoint()), "bfloat16"
+        path, dtype = str(text_checkpoint()), getattr(args, "dtype", "") or "bfloat16"
         model, processor = load_model(ModelConfig(path=path, dtype=dtype)), load_processor(path)
         t = TextTask(
             task,
@@ -91,13 +94,14 @@ def _target(args) -> tuple[Target, object, object]:
         mod = member(name)
         path = str(mod.assemble() if mod.assemble else mod.model_dir)
         examples = mod.make_examples(args.n, seed=args.seed, split=split)
-        target = Target(name, path, "float32", mod, examples, mod.max_new_tokens)
+        target = Target(name, path, dtype, mod, examples, mod.max_new_tokens)
     else:
         from vlkv.tools.task import synthetic_task
 
         examples = synthetic_task.make_examples(args.n, seed=args.seed, split=split)
-        target = Target("", args.model, "float32", synthetic_task, examples, args.max_new_tokens)
-    return target, load_model(ModelConfig(path=target.model_dir)), load_processor(target.model_dir)
+        target = Target("", args.model, dtype, synthetic_task, examples, args.max_new_tokens)
+    model = load_model(ModelConfig(path=target.model_dir, dtype=dtype))
+    return target, model, load_processor(target.model_dir)
 
 
 def _png(img) -> bytes:
@@ -245,11 +249,12 @@ def _markdown(args, target: Target, rows, profile, profile_path: str, wall: floa
     split = getattr(args, "split", "heldout")
     what = f"--compression-profile {profile_path}" if profile is not None else f"--policy {args.policy}"
     member = f" --member {target.name}" if target.name else ""
+    dtype = f" --dtype {args.dtype}" if getattr(args, "dtype", "") else ""
     md = [
         f"# Accuracy through the public gRPC API ({target.name or 'the default model'}, {n} examples of split "
         f"{split}, {target.dtype})",
         "",
-        f"Command: `vlkv eval --api{member} -n {args.n} {what} --budgets {args.budgets}`",
+        f"Command: `vlkv eval --api{member} -n {args.n} {what} --budgets {args.budgets}{dtype}`",
         "",
     ]
     head = "| run | accuracy (API) | accuracy (in-process table) | answers that differ | usage not naming the profile |"

@@ -24,11 +24,13 @@ from .budgets import (
     cake_preferences,
     coverage_budgets,
     coverage_counts,
+    fit_total,
     mixed_budgets,
     pyramid_budgets,
     sparsity_budgets,
     uniform_budgets,
 )
+from .lookahead import draft_gains, draft_mass_budgets
 from .serialize import fields_from_dict, fields_to_dict
 from .stats import AttentionStatsLike, layer_sparsity
 
@@ -195,6 +197,40 @@ class Coverage(Allocator):
     def budgets(self, stats, alpha, m, L):
         counts = coverage_counts(stats, mass=self.mass)
         return coverage_budgets(counts, alpha, m, floor_share=self.floor_share)
+
+
+@register_allocator
+@dataclass(frozen=True)
+class DraftMass(Allocator):
+    """Layer budgets by the lookahead draft's attention (``lookahead.py``), in the spirit of the oracle's own
+    budgets: ``weight`` of the total goes where the draft's attention mass is best covered (greedy marginal
+    gains over all layers, :func:`lookahead.draft_mass_budgets`), ``1 - weight`` as ``Pyramid(beta)``; the
+    blend is fitted to the same total under ``[1, m]``. Without draft rows (``lookahead`` 0, a draft that
+    ended at once, a policy that drafts nothing) it is ``Pyramid(beta)`` exactly."""
+
+    name = "draft_mass"
+    needs_stats = True
+    weight: float = 0.5
+    beta: float = 4.0
+
+    def __post_init__(self) -> None:
+        _unit("draft_mass", "weight", self.weight)
+        if not self.beta >= 1.0:
+            raise ValueError(f"draft_mass beta must be >= 1, got {self.beta}")
+
+    def budgets(self, stats, alpha, m, L):
+        pyramid = pyramid_budgets(L, alpha, m, beta=self.beta)
+        gains = draft_gains(stats)
+        if gains is None or self.weight == 0.0:
+            return pyramid
+        total = sum(pyramid)
+        if gains.shape != (L, m):
+            raise ValueError(f"draft gains {tuple(gains.shape)} are not [L={L}, m={m}]")
+        draft = draft_mass_budgets(gains, total)
+        if self.weight == 1.0:
+            return draft
+        blend = [(1.0 - self.weight) * p + self.weight * d for p, d in zip(pyramid, draft, strict=True)]
+        return fit_total(blend, total, 1, m)
 
 
 ALLOCATORS: tuple[str, ...] = allocator_names()  # the built-in allocators

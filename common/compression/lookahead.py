@@ -13,7 +13,9 @@ The score (``Policy.score``, :func:`mixed_col_sum`): each source is reduced to i
 ``(1 - w) * question + w * draft`` with ``w = lookahead_weight``, then shaped as before (pooling, GQA sum,
 spans). The allocator (layer budgets, sparsity) and the kept positions' ``prompt_scores`` read the question
 rows only: :class:`DraftStats` answers every :class:`~.stats.AttentionStatsLike` attribute with the question
-rows' own.
+rows' own. The one allocator that reads the draft is ``allocators.DraftMass`` (:func:`draft_gains`,
+:func:`draft_mass_budgets`: layer budgets by the draft's attention mass, as the oracle's own budgets by the
+answer's).
 """
 
 from __future__ import annotations
@@ -73,3 +75,35 @@ def mixed_col_sum(
     question = stats.col_sum.float()
     question = question / (rows_seeing(m, tq, question.device) if row_normalized else float(tq))
     return (1.0 - weight) * question + weight * (draft / stats.draft_rows).to(question.device)
+
+
+def draft_gains(stats_per_layer: Sequence[AttentionStatsLike]) -> torch.Tensor | None:
+    """``[L, m]`` fp64: per layer, the draft rows' attention over the prompt, each query head's normalised to
+    sum 1 and sorted best first, averaged over the heads: entry ``[l, i]`` is what layer l's ``i + 1``-th kept
+    token adds to the share of the draft's attention it covers (non-increasing along a row). None when a layer
+    carries no draft rows (``lookahead`` 0, or a draft that ended at once)."""
+    rows = []
+    for stats in stats_per_layer:
+        if not isinstance(stats, DraftStats) or stats.draft_rows <= 0:
+            return None
+        draft = stats.draft_col_sum.detach().to("cpu", torch.float64)
+        draft = draft / draft.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        rows.append(draft.sort(dim=-1, descending=True).values.mean(dim=0))
+    return torch.stack(rows) if rows else None
+
+
+def draft_mass_budgets(gains: torch.Tensor, total: int) -> list[int]:
+    """Per-layer budgets, each in ``[1, m]`` and summing to ``total`` (clamped to ``[L, L * m]``), that cover
+    the most draft attention (:func:`draft_gains`): one token per layer, then the ``total - L`` largest
+    marginal gains over all layers (a stable sort: ties go to the earlier layer, then the earlier slot). The
+    gains fall along a row, so this maximises the summed coverage, as the oracle's own budgets do with the
+    answer's attention."""
+    layers, m = gains.shape
+    total = min(max(int(total), layers), layers * m)
+    extra = total - layers
+    if extra == 0:  # also every m == 1
+        return [1] * layers
+    rest = gains[:, 1:].flatten()  # every slot after each layer's first
+    order = torch.sort(-rest, stable=True).indices[:extra]
+    counts = torch.bincount(order // (m - 1), minlength=layers)
+    return [1 + int(c) for c in counts.tolist()]

@@ -109,6 +109,9 @@ ABLATION = (
     ),
     ("snapkv (baseline)", "snapkv", {}),
     ("pyramidkv (baseline)", "pyramidkv", {}),
+    ("allocator: draft mass (w 0.5)", "vlcache", {"allocator": {"name": "draft_mass", "weight": 0.5}}),
+    ("allocator: draft mass (w 1.0)", "vlcache", {"allocator": {"name": "draft_mass", "weight": 1.0}}),
+    ("lookahead 16 (w 0.75)", "vlcache", {"lookahead": 16, "lookahead_weight": 0.75}),
 )
 
 

@@ -112,6 +112,16 @@ ABLATION = (
     ("allocator: draft mass (w 0.5)", "vlcache", {"allocator": {"name": "draft_mass", "weight": 0.5}}),
     ("allocator: draft mass (w 1.0)", "vlcache", {"allocator": {"name": "draft_mass", "weight": 1.0}}),
     ("lookahead 16 (w 0.75)", "vlcache", {"lookahead": 16, "lookahead_weight": 0.75}),
+    (
+        "allocator: draft mass (w 0.5) + window: none",
+        "vlcache",
+        {"allocator": {"name": "draft_mass", "weight": 0.5}, "post_vision_window": False},
+    ),
+    (
+        "allocator: draft mass (w 1.0) + window: none",
+        "vlcache",
+        {"allocator": {"name": "draft_mass", "weight": 1.0}, "post_vision_window": False},
+    ),
 )
 
 

@@ -138,3 +138,25 @@ def test_a_prefill_kept_without_its_queries_compresses_bit_for_bit_as_before():
             assert all(torch.equal(x, y) for x, y in zip(a.values, c.values, strict=True))
     with pytest.raises(ValueError, match="not kept"):  # a row it was not kept for fails loudly
         slim.stats(1, 0.01)
+
+
+def test_the_runs_bar_weights_an_item_by_its_cost(monkeypatch):
+    _fake_pipeline(monkeypatch, lambda i: False)
+    bar = Progress(None, disable=True)
+    weight = zoo_text.text_weight(2048)
+    assert weight == 2 * zoo_text.text_weight(1024) > 1  # a 2K item counts twice a 1K one
+    r = zoo_text.run_task(
+        None,
+        None,
+        _Task(0),
+        50,
+        0,
+        "heldout",
+        [],
+        [0.1],
+        25,
+        True,
+        screen=10,
+        bar=zoo_text.Steps(bar, weight),
+    )
+    assert "dropped" in r and bar.n == 100 * weight  # its whole share of the run, in weighted steps

@@ -33,7 +33,7 @@ from vlkv.tools.eval import zoo_report
 from vlkv.tools.eval.evaluation import prepare
 from vlkv.tools.eval.zoo_report import finalize, worst_member
 from vlkv.tools.eval.zoo_scoring import FULL, merge, score_chunk
-from vlkv.tools.eval.zoo_text import run_text
+from vlkv.tools.eval.zoo_text import WEIGHT, Steps, run_text, text_weight
 from vlkv.tools.progress import Progress
 from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import MEMBERS, member, text_suite
@@ -151,7 +151,7 @@ def run_member(
     budgets,
     api: bool = False,
     chunk: int = 50,
-    bar: Progress | None = None,
+    bar: Progress | Steps | None = None,
 ) -> dict:
     """One member's result (``zoo_report``'s shape): every row at every budget, the two oracle rows, per
     example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk). bar: the run's
@@ -256,9 +256,10 @@ def run_zoo(args) -> int:
     lengths = [int(x) for x in str(getattr(args, "text_lengths", "") or "1024,2048").split(",")]
     tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.DEFAULT_TASKS)).split(",")
     text_n = getattr(args, "text_n", 50)
-    examples = sum(len(tasks) * len(lengths) * text_n if name == TEXT else args.n for name in names)
-    # one bar over the whole run, two steps an example (its prefill, then its rows), with an ETA
-    with Progress(2 * examples, desc="vlkv eval --zoo", unit="steps") as bar:
+    text_steps = len(tasks) * text_n * sum(text_weight(x) for x in lengths)
+    steps = sum(text_steps if name == TEXT else args.n * _weight(name) for name in names)
+    # one bar over the whole run, with an ETA: per example its prefill, then its rows, each weighted by its cost
+    with Progress(2 * steps, desc="vlkv eval --zoo", unit="steps") as bar:
         for name in names:
             bar.set_postfix(name)
             if name == TEXT:
@@ -269,7 +270,14 @@ def run_zoo(args) -> int:
                     write()
                 continue
             results[name] = run_member(
-                name, args.n, args.seed, split, configs, budgets, api=getattr(args, "api", False), bar=bar
+                name,
+                args.n,
+                args.seed,
+                split,
+                configs,
+                budgets,
+                api=getattr(args, "api", False),
+                bar=Steps(bar, _weight(name)),
             )
             write()
     md = write()
@@ -277,6 +285,11 @@ def run_zoo(args) -> int:
     print("\n".join(md))
     print(f"wrote {out / (stem + '.md')}, {stem}.json and {stem}.png")
     return 0
+
+
+def _weight(name: str) -> int:
+    """The run's bar: steps per example of a member (``zoo_text.WEIGHT`` for SmolLM2's, 1 for a toy's)."""
+    return WEIGHT if member(name).assemble is not None else 1
 
 
 def _command(args, split: str) -> str:

@@ -27,8 +27,30 @@ KEEP_BYTES = 3 << 30
 """The first pass's prefills kept for the rows, up to this many bytes: each kept with its keys, values and
 the statistics the rows read, its queries freed (``Prepared.keep_stats``; 50 items at 2K tokens in
 bfloat16 take ~2.4 GB); the items after them are prefilled again for the rows."""
+WEIGHT = 10
+"""``vlkv eval --zoo``'s bar: steps of one example of a SmolLM2-135M member or one 1K text item (2K: twice as
+many), against 1 for a toy member's (their CPU times here: ~6-15 s against ~0.3-1 s)."""
 TEXT_LENGTHS = (1024, 2048)
 """The default run's lengths; 4,096 behind ``--text-lengths``."""
+
+
+class Steps:
+    """A view of the run's bar that counts ``weight`` steps for each one it is told of (an example's share of
+    the ETA by its cost)."""
+
+    def __init__(self, bar: Progress, weight: int) -> None:
+        self.bar, self.weight = bar, weight
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n * self.weight)
+
+    def set_postfix(self, text: str) -> None:
+        self.bar.set_postfix(text)
+
+
+def text_weight(length: int) -> int:
+    """``Steps`` weight of one text item of ``length`` tokens."""
+    return WEIGHT * max(1, round(length / 1024))
 
 
 @dataclass(frozen=True)
@@ -82,17 +104,18 @@ def run_text(
     bar: Progress | None = None,
 ):
     """Yields ``(name, result)`` per (task, length) as each finishes; ``result`` as ``zoo.run_member``'s
-    (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do. bar: as
-    ``run_task``'s."""
+    (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do. bar: the run's one
+    bar, told of ``text_weight(length)`` steps for each of ``run_task``'s."""
     model, processor = load_text_model()
     for length in lengths:
         for task in tasks:
             t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
-            if bar is not None:
-                bar.set_postfix(t.name)
+            steps = None if bar is None else Steps(bar, text_weight(length))
+            if steps is not None:
+                steps.set_postfix(t.name)
             yield (
                 t.name,
-                run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle, bar=bar),
+                run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle, bar=steps),
             )
     del model
     gc.collect()
@@ -110,7 +133,7 @@ def run_task(
     chunk,
     oracle,
     screen: int = SCREEN,
-    bar: Progress | None = None,
+    bar: Progress | Steps | None = None,
 ) -> dict:
     """Two passes. First the full cache alone, ``screen`` items at a time: the task is dropped as soon as its
     full-cache accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over the items so far is

@@ -52,9 +52,10 @@ def _fake_pipeline(monkeypatch, right_of):
         calls.setdefault("prepare_items", []).append(len(part))
         if counter is not None:
             counter.update(len(part))
-        return [
-            SimpleNamespace(m=10, example=i, keep_stats=lambda *a, i=i: calls["slim"].append(i)) for i in part
-        ]
+        out = [SimpleNamespace(m=10, example=i, q=[torch.zeros(2)]) for i in part]
+        for p in out:  # keep_stats frees the queries
+            p.keep_stats = lambda *a, p=p: (calls["slim"].append(p.example), setattr(p, "q", []))
+        return out
 
     def full_answers(model, processor, prepared, max_new_tokens):
         return [[p.example] for p in prepared], {FULL: {"1.0": [right_of(p.example) for p in prepared]}}
@@ -86,8 +87,9 @@ def test_a_task_below_the_bar_stops_once_too_many_are_wrong_and_runs_no_row(monk
 
 def test_a_task_the_model_can_do_scores_every_row_in_chunks(monkeypatch):
     calls = _fake_pipeline(monkeypatch, lambda i: True)
-    monkeypatch.setattr(zoo_text, "_nbytes", lambda p, slim=False: 1)
-    monkeypatch.setattr(zoo_text, "KEEP_BYTES", 12)  # the first 12 prefills are kept for the rows
+    monkeypatch.setattr(zoo_text, "_nbytes", lambda p, slim=False: 1 if slim or not p.q else 2)
+    # 6 whole prefills fit; at the 7th they are kept without their queries, and 6 more with them
+    monkeypatch.setattr(zoo_text, "KEEP_BYTES", 12)
     bar = Progress(60, disable=True)
     r = zoo_text.run_task(None, None, _Task(0), 30, 0, "heldout", [], [0.1], 25, True, screen=10, bar=bar)
     assert "dropped" not in r and calls["rows"] == [25, 5]
@@ -95,6 +97,15 @@ def test_a_task_the_model_can_do_scores_every_row_in_chunks(monkeypatch):
     assert calls["slim"] == list(range(12))  # the kept ones keep their statistics, not their queries
     assert len(r["hits"]["row"]["0.1"]) == 30 and r["real_decoder"]
     assert bar.n == 60  # two steps an item: the screens' prefills (not the second ones), the rows
+
+
+def test_prefills_that_fit_whole_are_kept_whole_and_a_dropped_task_computes_no_statistics(monkeypatch):
+    calls = _fake_pipeline(monkeypatch, lambda i: True)
+    r = zoo_text.run_task(None, None, _Task(0), 30, 0, "heldout", [], [0.1], 25, True, screen=10)
+    assert calls["slim"] == [] and calls["prepare_items"] == [10, 10, 10] and "dropped" not in r
+    calls = _fake_pipeline(monkeypatch, lambda i: False)
+    zoo_text.run_task(None, None, _Task(0), 50, 0, "heldout", [], [0.1], 25, True, screen=10)
+    assert calls["slim"] == []
 
 
 def test_a_dropped_task_fills_its_share_of_the_runs_bar(monkeypatch):

@@ -24,9 +24,10 @@ MIN_FULL = 0.9
 SCREEN = 5
 """Items per step of the full-cache pass (a task the model cannot do stops after the first)."""
 KEEP_BYTES = 3 << 30
-"""The first pass's prefills kept for the rows, up to this many bytes: each kept with its keys, values and
-the statistics the rows read, its queries freed (``Prepared.keep_stats``; 50 items at 2K tokens in
-bfloat16 take ~2.4 GB); the items after them are prefilled again for the rows."""
+"""The first pass's prefills kept for the rows, up to this many bytes: whole while they fit (50 items at 1K
+tokens in bfloat16), then each without its queries (``Prepared.keep_stats``: the statistics the rows read
+computed, the queries freed; 50 items at 2K take ~2.4 GB so); the items after them are prefilled again for
+the rows."""
 WEIGHT = 10
 """``vlkv eval --zoo``'s bar: steps of one example of a SmolLM2-135M member or one 1K text item (2K: twice as
 many), against 1 for a toy member's (their CPU times here: ~6-15 s against ~0.3-1 s)."""
@@ -139,7 +140,8 @@ def run_task(
     full-cache accuracy cannot reach ``MIN_FULL`` (the Wilson interval's upper end over the items so far is
     below it, or more items are wrong than ``MIN_FULL`` of all of them allows), or when it ends below it; no row is run for a dropped task. Then, chunk by chunk, every row and
     the oracles (from the first pass's full-cache answers), on the first pass's prefills while they fit in
-    ``KEEP_BYTES`` (each kept as ``Prepared.keep_stats`` leaves it), on new ones after. bar: the run's one
+    ``KEEP_BYTES`` (whole, or once they would not fit, as ``Prepared.keep_stats`` leaves them: a task
+    dropped before that computes no row's statistics), on new ones after. bar: the run's one
     progress bar, two steps an item (its prefill, its rows; a dropped task's rest at once); its own bars
     when None."""
     items = t.make_examples(n, seed, split)
@@ -149,6 +151,7 @@ def run_task(
     ms: list[int] = []
     kept: list = []
     room = KEEP_BYTES
+    slim = False
     first = track(
         _parts(items, screen), desc=f"{t.name} full cache", unit=f"{screen} items", disable=bar is not None
     )
@@ -159,8 +162,16 @@ def run_task(
         ids += part_ids
         merge(right, full)
         for i, p in enumerate(prepared):  # a prefix of the items, while they fit
-            if len(kept) == len(ids) - len(prepared) + i and _nbytes(p, slim=True) <= room:
-                p.keep_stats(configs, budgets, oracle)
+            if len(kept) != len(ids) - len(prepared) + i:
+                continue
+            if _nbytes(p) > room and not slim:  # from now on kept without their queries
+                slim = True
+                for k in kept:
+                    k.keep_stats(configs, budgets, oracle)
+                room = KEEP_BYTES - sum(_nbytes(k) for k in kept)
+            if _nbytes(p, slim) <= room:
+                if slim:
+                    p.keep_stats(configs, budgets, oracle)
                 kept.append(p)
                 room -= _nbytes(p)
         seen = right[FULL]["1.0"]

@@ -28,9 +28,10 @@ KEEP_BYTES = 3 << 30
 tokens in bfloat16), then each without its queries (``Prepared.keep_stats``: the statistics the rows read
 computed, the queries freed; 50 items at 2K take ~2.4 GB so); the items after them are prefilled again for
 the rows."""
-WEIGHT = 10
+WEIGHT = 20
 """``vlkv eval --zoo``'s bar: steps of one example of a SmolLM2-135M member or one 1K text item (2K: twice as
-many), against 1 for a toy member's (their CPU times here: ~6-15 s against ~0.3-1 s)."""
+many), against 1 for a toy member's (CPU seconds here, 2026-11-27: 4-7.5 and 6-9, 15-17 at 2K, against
+0.2-0.5: ~0.1-0.2 s a step throughout, so the ETA holds from the toys to the text)."""
 TEXT_LENGTHS = (1024, 2048)
 """The default run's lengths; 4,096 behind ``--text-lengths``."""
 

@@ -35,8 +35,9 @@ value out on ``needle``. Chosen on the training split of all five text tasks (n 
 ``vlcache_text_span_lookahead``: ``vlcache_text_span`` with a 16-token draft mixed half and half into the
 scores (``lookahead``, ``lookahead.py``); not adopted (protocol v2.1's text dimension, 0.510 against 0.615).
 ``vlcache_text_span_lookahead{32,48}`` (w 0.5) and ``..._w1`` (w 1.0): the same with 32- and 48-token drafts,
-long enough to pass a RULER answer's echo of its question (~25 tokens) and reach the value (compression
-README, "Draft-query scoring (lookahead)").
+long enough to pass a RULER answer's echo of its question (~25 tokens) and reach the value; not adopted
+either (training split: 0.510 at w 0.5, 0.450 at w 1.0, against 0.615; compression README, "Text-only
+prompts: 32- and 48-token drafts").
 """
 
 from __future__ import annotations

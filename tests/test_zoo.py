@@ -4,7 +4,6 @@ has the member's geometry and answers held-out questions with the full cache; ``
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,16 +233,10 @@ def test_checkpoint_loads_like_a_user_checkpoint_has_its_geometry_and_answers(na
         row.model_check(model, processor, examples)
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.mark.parametrize("name", [n for n in MEMBERS if ROWS[n].api])
 def test_served_through_the_public_api(name):
     from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-    from vlkv.tools.client import build_request, generate
+    from vlkv.tools.client import build_request, generate, png_bytes
 
     from tests.inproc_cluster import InProcCluster
 
@@ -256,7 +249,7 @@ def test_served_through_the_public_api(name):
         ex = m.make_examples(2, seed=0, split="heldout")[1]
         for policy, budget in (("full", None), ("vlcache", 0.1)):
             req = build_request(
-                images=[_png(im) for im in ex.images],
+                images=[png_bytes(im) for im in ex.images],
                 question=ex.question,
                 max_new_tokens=m.max_new_tokens,
                 policy=policy,

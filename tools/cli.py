@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import logging
 import os
 import signal
@@ -322,14 +321,8 @@ def _reason(reason: int) -> str:
     return generate_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def cmd_demo(args) -> int:
-    from vlkv.tools.client import build_request, connect, generate
+    from vlkv.tools.client import build_request, connect, generate, png_bytes
     from vlkv.tools.demo_summary import DemoSummary
     from vlkv.tools.task.synthetic_task import MAX_NEW_TOKENS, is_correct, make_examples
 
@@ -341,7 +334,7 @@ def cmd_demo(args) -> int:
         summary = DemoSummary(args.policy, args.budget)
         try:
             for i, ex in enumerate(examples):
-                images = [_png(im) for im in ex.images]
+                images = [png_bytes(im) for im in ex.images]
 
                 def ask(policy, budget, images=images, question=ex.question):
                     req = build_request(

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
+
+
+def png_bytes(image) -> bytes:
+    """A PIL image as the PNG bytes a request carries."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def build_request(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import math
 import random
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+from vlkv.tools.client import png_bytes
 from vlkv.tools.progress import Progress
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
 
@@ -42,12 +42,6 @@ FILLER_WORDS = "the square is red . the circle is blue . there are two shapes . 
 
 # ---------------------------------------------------------------------------------------------------------
 # Workloads: lists of GenerateRequest, cycled by the generator.
-
-
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _request(
@@ -123,7 +117,7 @@ def synthetic_workload(
         content.append(("text", ex.question))
         out.append(
             _request(
-                [_png(im) for im in images],
+                [png_bytes(im) for im in images],
                 content,
                 max_new_tokens=max_new_tokens,
                 policy=policy,

@@ -23,7 +23,6 @@ Runs on any LLaVA model of the synthetic task (``--model``, default: the embedde
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import random
 import statistics
@@ -40,7 +39,7 @@ from vlkv.common.reuse import ReuseSettings
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
-from vlkv.tools.client import build_request
+from vlkv.tools.client import build_request, png_bytes
 from vlkv.tools.task.reuse_prompts import prompt_with_prefix, random_prefix
 from vlkv.tools.task.synthetic_task import Example, is_correct, make_examples, scene_questions
 
@@ -166,12 +165,6 @@ def measure_ttft(model_dir: str, n: int, repeats: int, seed: int = 0) -> Report:
 # --- the load run through the public API -----------------------------------------------------------------
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def load_requests(processor, n: int, images: int = 20, repeat: float = 0.8, seed: int = 0):
     """``n`` requests: with probability ``repeat`` one of ``images`` pooled scenes, else a fresh one; each
     with a random prefix and one of its scene's questions."""
@@ -188,7 +181,9 @@ def load_requests(processor, n: int, images: int = 20, repeat: float = 0.8, seed
         )
         text = prompt_with_prefix(processor, ex, random_prefix(rng))
         out.append(
-            build_request(text, [_png(i) for i in ex.images], max_new_tokens=8, policy="vlcache", budget=0.1)
+            build_request(
+                text, [png_bytes(i) for i in ex.images], max_new_tokens=8, policy="vlcache", budget=0.1
+            )
         )
     return out
 

@@ -26,7 +26,6 @@ policy's (the profile - default column). Each served answer must also name the p
 from __future__ import annotations
 
 import asyncio
-import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +43,7 @@ from vlkv.deploy.servers import (
     start_gateway,
     start_prefill_worker,
 )
-from vlkv.tools.client import build_request, generate
+from vlkv.tools.client import build_request, generate, png_bytes
 from vlkv.tools.eval.evaluation import prepare
 from vlkv.tools.eval.zoo_scoring import DECODE_CHUNK, FULL, full_answers, score_rows, wilson
 from vlkv.tools.progress import progress as track
@@ -104,12 +103,6 @@ def _target(args) -> tuple[Target, object, object]:
     return target, model, load_processor(target.model_dir)
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _question(example) -> str:
     """The text of the example's one user turn (what ``build_request(question=...)`` sends after its images)."""
     return "".join(p["text"] for p in example.messages[-1]["content"] if p.get("type") == "text")
@@ -130,7 +123,7 @@ def ask_served(cfg: ServerConfig, model, processor, examples, asks, max_new: int
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     servers = asyncio.run_coroutine_threadsafe(_serve(cfg, model, processor), loop).result(300)
-    images = [[_png(im) for im in ex.images] for ex in examples]
+    images = [[png_bytes(im) for im in ex.images] for ex in examples]
     out = []
     try:
         with grpc.insecure_channel(servers[2].address) as channel:

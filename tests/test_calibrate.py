@@ -18,7 +18,7 @@ from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
 from vlkv.tools.calibrate import CANDIDATES, best_per_budget, calibrate, survivors
 from vlkv.tools.calibrate_prompts import read_prompts, write_prompts
 from vlkv.tools.cli import main
-from vlkv.tools.client import build_request, generate
+from vlkv.tools.client import build_request, generate, png_bytes
 from vlkv.tools.task import synthetic_task
 from vlkv.tools.zoo import member
 
@@ -230,7 +230,7 @@ def served(profile_path):
 def test_a_calibrated_profile_is_served_through_the_public_api(served, profile_path):
     profile = read_profile(profile_path)
     ex = synthetic_task.make_examples(1, seed=11, split="heldout")[0]
-    images = [_png(i) for i in ex.images]
+    images = [png_bytes(i) for i in ex.images]
     local = InProcessEngine(served.model, served.processor, pool_bytes=16 << 20, profile=profile)
     for budget in (0.05, 0.1, 0.07):
         req = build_request(images=images, question=ex.question, max_new_tokens=4, budget=budget)
@@ -255,14 +255,6 @@ def test_a_calibrated_profile_is_served_through_the_public_api(served, profile_p
     usage = generate(served.stub, req, timeout=120).finished.usage
     assert usage.compression_profile == "" and usage.policy == "snapkv"
     assert served.prefill.servicer.load().compression_profile == profile.label
-
-
-def _png(image) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_another_models_profile_is_refused_at_start_up(profile_path):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from vlkv.common.compression.registry import get_policy
-from vlkv.tools.client import build_request, generate
+from vlkv.tools.client import build_request, generate, png_bytes
 from vlkv.tools.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate
 from vlkv.tools.task.synthetic_task import prompt_text
 
@@ -19,12 +17,6 @@ def setup(tiny_model_dirs):
     cluster, examples, prepared = evaluation_cluster(tiny_model_dirs("llava-gqa"), 3, seed=1)
     yield cluster, examples, prepared
     cluster.close()
-
-
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_full_cache_decode_equals_generate(setup):
@@ -49,7 +41,7 @@ def test_compressed_decode_equals_served_tokens(setup, policy):
     outs = decode_batch(cluster.model, [compress(p, policy, 0.3) for p in prepared], 6, {eos})
     for ex, out in zip(examples, outs, strict=True):
         req = build_request(
-            images=[_png(i) for i in ex.images],
+            images=[png_bytes(i) for i in ex.images],
             question=ex.question,
             max_new_tokens=6,
             policy=policy,

@@ -3,8 +3,6 @@ served prefill compresses exactly as the in-process evaluation does, and a reque
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from vlkv.common.compression.lookahead import DraftStats, mixed_col_sum, with_draft
@@ -17,7 +15,7 @@ from vlkv.common.sampling import SamplingConfig
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
-from vlkv.tools.client import build_request, generate
+from vlkv.tools.client import build_request, generate, png_bytes
 from vlkv.tools.eval.evaluation import compress, decode_batch
 from vlkv.tools.task.synthetic_task import prompt_text
 from vlkv.v1 import generate_pb2
@@ -32,12 +30,6 @@ def setup(tiny_model_dirs):
     cluster, examples, prepared = evaluation_cluster(tiny_model_dirs("llava-gqa"), 2, seed=3)
     yield cluster, examples, prepared
     cluster.close()
-
-
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _same(a, b) -> None:
@@ -191,7 +183,7 @@ def test_request_with_lookahead_through_the_public_api(setup):
     outs = decode_batch(cluster.model, caches, 6, {eos})
     for ex, out in zip(examples, outs, strict=True):
         req = build_request(
-            images=[_png(i) for i in ex.images],
+            images=[png_bytes(i) for i in ex.images],
             question=ex.question,
             max_new_tokens=6,
             policy="vlcache",

@@ -130,8 +130,9 @@ def test_the_shared_draft_gives_the_drafts_own_column_sums_once():
     _share_draft(shared, policies, (0.05, 0.1))
     assert shared._draft.rows >= 1
     for steps in (8, 16):
-        got = shared.draft(steps).col_sums(steps)
-        assert got is shared.draft(steps).col_sums(steps)  # computed once
+        got, rows = shared.draft_col_sums(steps, 0.01)
+        assert got is shared.draft_col_sums(steps, 0.01)[0]  # computed once
+        assert rows == min(steps, shared._draft.rows)
         want = plain.draft(steps).col_sums(steps)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 

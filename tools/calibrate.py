@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,7 +41,6 @@ from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
-from vlkv.prefill_worker.draft_queries import Draft
 from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, policy_stats, prepare
@@ -128,30 +127,26 @@ class Calibration:
         ]
 
 
-def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
-    """Successive halving's cut: per budget the ``keep`` best rows (``best_per_budget``'s order) and the default,
-    the candidates measured on the prompts after the screening ones."""
+def _ranked(rows: list[dict], budget: float) -> list[dict]:
+    """The rows at ``budget`` best first: the highest agreement, ties to the lower KL, then the grid's order."""
     order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
-    out = {}
-    for b in budgets:
-        mine = sorted(
-            (r for r in rows if r["budget"] == b),
-            key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]),
-        )
-        out[b] = {r["candidate"] for r in mine[:keep]} | {CANDIDATES[0][0]}
-    return out
+    mine = [r for r in rows if r["budget"] == budget]
+    return sorted(mine, key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]))
+
+
+def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
+    """Successive halving's cut: per budget the ``keep`` best rows (``_ranked``) and the default, the
+    candidates measured on the prompts after the screening ones."""
+    return {b: {r["candidate"] for r in _ranked(rows, b)[:keep]} | {CANDIDATES[0][0]} for b in budgets}
 
 
 def best_per_budget(rows: list[dict], budgets) -> list[ProfileEntry]:
-    """Per budget the row with the highest agreement, ties to the lower KL, then to the grid's order (among
-    the rows measured on every prompt)."""
-    order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
+    """Per budget the best row (``_ranked``) among the rows measured on every prompt."""
     entries = []
     for b in budgets:
-        mine = [r for r in rows if r["budget"] == b]
-        most = max(r.get("prompts", 0) for r in mine)  # after a screening: only the rows measured on all
-        mine = [r for r in mine if r.get("prompts", 0) == most]
-        best = min(mine, key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]))
+        ranked = _ranked(rows, b)
+        most = max(r.get("prompts", 0) for r in ranked)  # after a screening: only the rows measured on all
+        best = next(r for r in ranked if r.get("prompts", 0) == most)
         entries.append(ProfileEntry(b, best["candidate"], policy_from_dict(best["policy"])))
     return entries
 
@@ -181,24 +176,12 @@ def _engine(model, caches, steps: int) -> InProcessEngine:
     )
 
 
-class _SharedDraft(Draft):
-    """A prompt's draft whose per-layer column sums are computed once per row count: every candidate with the
-    same ``lookahead`` reads the same sums (``Draft.col_sums``, the same bits)."""
-
-    def col_sums(self, rows: int, threshold: float = 0.01) -> list[torch.Tensor]:
-        memo = self.__dict__.setdefault("_memo", {})
-        key = (min(rows, self.rows), threshold)
-        if key not in memo:
-            memo[key] = super().col_sums(rows, threshold)
-        return memo[key]
-
-
 def _share_draft(p, policies, budgets) -> None:
-    """Run ``p``'s draft once with the most steps any candidate asks for, its column sums shared."""
+    """Run ``p``'s draft once with the most steps any candidate asks for (a shorter one first would be run
+    again longer); ``Prepared.draft_col_sums`` then shares its column sums among the candidates."""
     steps = max(policy.lookahead_steps(b, p.m, p.tau) for policy in policies for b in budgets)
     if steps:
-        d = p.draft(steps)
-        p._draft = _SharedDraft(**{f.name: getattr(d, f.name) for f in fields(Draft)})
+        p.draft(steps)
 
 
 def measure_chunk(

@@ -76,6 +76,7 @@ class Prepared:
     eos: tuple[int, ...] = ()
     _stats: dict = field(default_factory=dict, repr=False)
     _draft: Draft | None = field(default=None, repr=False)
+    _draft_sums: dict = field(default_factory=dict, repr=False)
 
     def stats(self, q0: int, threshold: float) -> list:
         key = (q0, threshold)
@@ -113,6 +114,17 @@ class Prepared:
                 raise ValueError("lookahead needs the model: prepare() records it")
             self._draft = run_draft(self.model, self.keys, self.values, self.first_token, steps, self.eos)
         return self._draft
+
+    def draft_col_sums(self, steps: int, threshold: float) -> tuple[list[torch.Tensor], int]:
+        """``(Draft.col_sums, rows)`` of the first ``steps`` draft rows, computed once per row count and
+        threshold: every row and budget with the same ``lookahead`` reads the same sums (the first K rows of a
+        longer draft are a K-step draft's, so a draft run again longer leaves them valid)."""
+        draft = self.draft(steps)
+        rows = min(steps, draft.rows)
+        key = (rows, threshold)
+        if key not in self._draft_sums:
+            self._draft_sums[key] = draft.col_sums(rows, threshold)
+        return self._draft_sums[key], rows
 
 
 @torch.inference_mode()
@@ -201,8 +213,7 @@ def policy_stats(prep: Prepared, policy, budget: float, threshold: float = 0.01)
     stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if needs_stats else None
     steps = policy.lookahead_steps(budget, prep.m, prep.tau)
     if steps and stats is not None:
-        draft = prep.draft(steps)
-        stats = with_draft(stats, draft.col_sums(steps, threshold), min(steps, draft.rows))
+        stats = with_draft(stats, *prep.draft_col_sums(steps, threshold))
     return stats
 
 

@@ -49,6 +49,7 @@ def test_calibrate_chooses_the_best_agreement_per_budget(profile_path):
         assert mine["kl"] == min(r["kl"] for r in rows if r["agreement"] == best)
         assert entry.policy.to_dict() == mine["policy"]
         assert all(0.0 <= r["agreement"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
+        assert all(0.0 <= r["exact"] <= r["agreement"] for r in rows)  # an exact prompt agrees at 1.0
 
 
 def test_the_grid_changes_one_or_two_options_of_the_default_and_keeps_its_draft():

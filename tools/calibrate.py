@@ -96,12 +96,17 @@ class _Score:
 
     agreement: float = 0.0
     kl: float = 0.0
+    exact: int = 0  # prompts whose every counted position agrees: the whole answer reproduced
     prompts: int = 0
 
 
 @dataclass
 class Calibration:
-    """The running table; ``trace``, when kept, one ``{"candidate|budget": [agreement, kl]}`` per prompt."""
+    """The running table; ``trace``, when kept, one ``{"candidate|budget": [agreement, kl]}`` per prompt.
+
+    A prompt counts as **exact** for a (candidate, budget) when its agreement is 1.0: every counted position's
+    greedy token is the full cache's, so the compressed cache's own greedy decode gives the full cache's
+    answer token for token."""
 
     table: dict[tuple[str, float], _Score] = field(default_factory=dict)
     trace: list[dict[str, list[float]]] | None = None
@@ -109,6 +114,7 @@ class Calibration:
     def add(self, key: tuple[str, float], agreement: float, kl: float) -> None:
         s = self.table.setdefault(key, _Score())
         s.agreement, s.kl, s.prompts = s.agreement + agreement, s.kl + kl, s.prompts + 1
+        s.exact += agreement >= 1.0
         if self.trace is not None:
             self.trace[-1][f"{key[0]}|{key[1]:g}"] = [agreement, kl]
 
@@ -120,6 +126,7 @@ class Calibration:
                 "budget": budget,
                 "agreement": round(s.agreement / s.prompts, 6),
                 "kl": round(s.kl / s.prompts, 6),
+                "exact": round(s.exact / s.prompts, 6),
                 "prompts": s.prompts,
                 "policy": policy_from_dict(policies[label]).to_dict(),
             }
@@ -309,19 +316,23 @@ def calibrate(
 
 
 def format_table(profile: CompressionProfile) -> str:
-    """The agreement table as markdown: a row per candidate, agreement / KL per budget, the choice starred, the
-    prompts a row was measured on when a screening cut it (``--screen``)."""
+    """The agreement table as markdown: a row per candidate, per budget the share of prompts whose whole answer
+    was reproduced (``exact``; left out for a profile written before it was measured) / agreement / KL, the
+    choice starred, the prompts a row was measured on when a screening cut it (``--screen``)."""
     budgets = profile.budgets
     count = profile.prompts.get("count", 0)
     chosen = {(e.candidate, e.budget) for e in profile.entries}
+    exact = all("exact" in r for r in profile.table)
     cells: dict[str, dict[float, str]] = {}
     for r in profile.table:
         star = " *" if (r["candidate"], r["budget"]) in chosen else ""
         screened = f" ({r['prompts']} prompts)" if r.get("prompts", count) < count else ""
+        whole = f"{r['exact']:.2f} / " if exact else ""
         cells.setdefault(r["candidate"], {})[r["budget"]] = (
-            f"{r['agreement']:.3f} / {r['kl']:.3f}{star}{screened}"
+            f"{whole}{r['agreement']:.3f} / {r['kl']:.3f}{star}{screened}"
         )
-    head = "| candidate | " + " | ".join(f"{b:g}: agreement / KL" for b in budgets) + " |"
+    what = "exact / agreement / KL" if exact else "agreement / KL"
+    head = "| candidate | " + " | ".join(f"{b:g}: {what}" for b in budgets) + " |"
     lines = [head, "|" + " --- |" * (len(budgets) + 1)]
     lines += [f"| {c} | " + " | ".join(v.get(b, "") for b in budgets) + " |" for c, v in cells.items()]
     return "\n".join(lines)

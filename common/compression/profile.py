@@ -29,7 +29,8 @@ PROFILE_FORMAT = "vlkv.compression_profile"
 PROFILE_VERSION = 1
 PROFILE_FILENAME = "compression_profile.json"
 _TOP_KEYS = ("format", "version", "model", "prompts", "measure", "entries", "table")
-_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "prompts", "policy")  # prompts: optional
+# exact, prompts: optional
+_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "exact", "prompts", "policy")
 
 
 @dataclass
@@ -48,7 +49,8 @@ class ProfileEntry:
 class CompressionProfile:
     """model: ``{"fingerprint": ..., ...}`` (path, dtype: informative); prompts: ``{"digest": sha256,
     "count": n, ...}``; measure: how agreement was measured (``{"tokens": N}``); entries: the choice per
-    budget, ascending; table: one row per candidate and budget (``_ROW_KEYS``)."""
+    budget, ascending; table: one row per candidate and budget (``_ROW_KEYS``; ``exact``: the share of prompts
+    whose whole answer the candidate reproduced, absent in profiles written before it was measured)."""
 
     model: dict[str, Any]
     prompts: dict[str, Any]
@@ -155,6 +157,8 @@ def profile_from_dict(data: Any, label: str = "") -> CompressionProfile:
         check_keys(row, _ROW_KEYS, f"compression profile: table[{i}]")
         for key in ("budget", "agreement", "kl"):
             _number(row.get(key), f"compression profile: table[{i}].{key}")
+        if "exact" in row:  # absent in a profile written before it was measured
+            _number(row["exact"], f"compression profile: table[{i}].exact", 0.0, 1.0)
     entries.sort(key=lambda e: e.budget)
     return CompressionProfile(data["model"], data["prompts"], data["measure"], entries, table, label)
 

@@ -654,6 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--text-n", type=int, default=50, help="--zoo: items per text task and length")
     p.add_argument(
+        "--jobs",
+        default="auto",
+        help="--zoo: worker processes of one torch thread each, each running a member or a text task at one "
+        "length, the longest first (auto: min(2, CPU cores); 1: everything in this process, as before)",
+    )
+    p.add_argument(
         "--text-lengths", default="1024,2048", help="--zoo: text prompt lengths in tokens (4096 for the note)"
     )
     p.add_argument(

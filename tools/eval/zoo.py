@@ -10,7 +10,9 @@ SmolLM2-135M-Instruct (``zoo_text.py``; ``--text-n``, ``--text-lengths``, ``--te
 asks every question again through a local gateway and workers (real gRPC) with the default policy at each
 budget and counts the answers that differ from the in-process ones. ``--ablation`` swaps the table's rows for
 vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``;
-``--rows`` runs some of them; ``vlkv eval --protocol`` reads the JSON files, ``protocol.py``).
+``--rows`` runs some of them; ``vlkv eval --protocol`` reads the JSON files, ``protocol.py``). ``--jobs N``
+(default ``auto``: both cores here) runs the members and the text suite's (task, length) groups in N worker
+processes of one torch thread each, the longest first (``zoo_jobs.py``), with the same results and tables.
 
 Tables (``zoo_report.py``): n and a 95% Wilson interval per figure; eviction-trained members and model-bound
 cells (the better oracle < 0.9 of full) marked and left out of the worst member, the ranking and the
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from vlkv.common.compression.presets import preset_params
@@ -31,9 +35,19 @@ from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval import zoo_report
 from vlkv.tools.eval.evaluation import prepare
+from vlkv.tools.eval.zoo_jobs import JobFailed, parse_jobs, run_items
 from vlkv.tools.eval.zoo_report import finalize, worst_member
 from vlkv.tools.eval.zoo_scoring import FULL, merge, score_chunk
-from vlkv.tools.eval.zoo_text import WEIGHT, Steps, run_text, text_weight
+from vlkv.tools.eval.zoo_text import (
+    WEIGHT,
+    Steps,
+    load_text_model,
+    run_item,
+    run_text,
+    text_items,
+    text_name,
+    text_weight,
+)
 from vlkv.tools.progress import Progress
 from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import MEMBERS, member, text_suite
@@ -256,35 +270,101 @@ def run_zoo(args) -> int:
     lengths = [int(x) for x in str(getattr(args, "text_lengths", "") or "1024,2048").split(",")]
     tasks = (getattr(args, "text_tasks", "") or ",".join(text_suite.DEFAULT_TASKS)).split(",")
     text_n = getattr(args, "text_n", 50)
-    text_steps = len(tasks) * text_n * sum(text_weight(x) for x in lengths)
-    steps = sum(text_steps if name == TEXT else args.n * _weight(name) for name in names)
+    items = _items(names, args.n, tasks, lengths, text_n)
+    steps = sum(item.steps for item in items)
+    jobs = max(1, min(parse_jobs(getattr(args, "jobs", 1)), len(items)))
+    if jobs > 1 and getattr(args, "api", False):
+        print("vlkv eval --zoo --api: one process (--api starts servers); --jobs ignored", file=sys.stderr)
+        jobs = 1
     # one bar over the whole run, with an ETA: per example its prefill, then its rows, each weighted by its cost
     with Progress(2 * steps, desc="vlkv eval --zoo", unit="steps") as bar:
-        for name in names:
-            bar.set_postfix(name)
-            if name == TEXT:
-                for task_name, r in run_text(
-                    tasks, lengths, text_n, args.seed, split, configs, budgets, bar=bar
-                ):
-                    results[task_name] = finalize(r)
-                    write()
-                continue
-            results[name] = run_member(
-                name,
-                args.n,
-                args.seed,
-                split,
-                configs,
-                budgets,
-                api=getattr(args, "api", False),
-                bar=Steps(bar, _weight(name)),
-            )
-            write()
+        if jobs > 1:
+            spec = {"n": args.n, "seed": args.seed, "split": split, "configs": configs, "budgets": budgets}
+            spec["text_n"] = text_n
+            done: dict = {}
+
+            def finished(item: Item, result: dict) -> None:  # the tables in the serial run's order
+                done[item.key] = finalize(result) if item.kind == TEXT else result
+                results.clear()
+                results.update({i.key: done[i.key] for i in items if i.key in done})
+                write()
+
+            order = sorted(range(len(items)), key=lambda i: -items[i].steps)  # the longest first
+            try:
+                run_items(items, order, spec, _run_item, jobs, bar, finished, label=lambda i: i.key)
+            except JobFailed as e:
+                bar.close()
+                print(f"vlkv eval --zoo: {e.item} failed; the run is stopped.\n{e.error}", file=sys.stderr)
+                return 1
+        else:  # one process: the run as before --jobs
+            for name in names:
+                bar.set_postfix(name)
+                if name == TEXT:
+                    for task_name, r in run_text(
+                        tasks, lengths, text_n, args.seed, split, configs, budgets, bar=bar
+                    ):
+                        results[task_name] = finalize(r)
+                        write()
+                    continue
+                results[name] = run_member(
+                    name,
+                    args.n,
+                    args.seed,
+                    split,
+                    configs,
+                    budgets,
+                    api=getattr(args, "api", False),
+                    bar=Steps(bar, _weight(name)),
+                )
+                write()
     md = write()
     zoo_report.plot(results, budgets, out / f"{stem}.png")
     print("\n".join(md))
     print(f"wrote {out / (stem + '.md')}, {stem}.json and {stem}.png")
     return 0
+
+
+@dataclass(frozen=True)
+class Item:
+    """One work item of ``--jobs N`` (``zoo_jobs.py``): a member, or one text task at one length."""
+
+    key: str
+    """Its name in the tables (``results``)."""
+    kind: str
+    """``member`` or ``text``."""
+    name: str
+    """The member, or the text task."""
+    length: int = 0
+    steps: int = 0
+    """Its share of the bar (half of it): the longest first."""
+
+
+def _items(names, n: int, tasks, lengths, text_n: int) -> list[Item]:
+    """The run's work items in the serial run's order (``run_text``'s for the text suite's)."""
+    items = []
+    for name in names:
+        if name != TEXT:
+            items.append(Item(name, "member", name, steps=n * _weight(name)))
+            continue
+        for task, length in text_items(tasks, lengths):
+            items.append(Item(text_name(task, length), TEXT, task, length, text_n * text_weight(length)))
+    return items
+
+
+_TEXT_MODEL: list = []
+"""A worker's SmolLM2 (model, processor), loaded by its first text item and kept for the next."""
+
+
+def _run_item(item: Item, spec: dict, bar) -> dict:
+    """One ``Item`` in a worker (``zoo_jobs.run_items``): ``run_member``'s result, or ``run_task``'s (the
+    parent finalizes it as the serial run does)."""
+    common = (spec["seed"], spec["split"], spec["configs"], spec["budgets"])
+    if item.kind != TEXT:
+        return run_member(item.name, spec["n"], *common, bar=Steps(bar, _weight(item.name)))
+    if not _TEXT_MODEL:
+        _TEXT_MODEL.extend(load_text_model())
+    model, processor = _TEXT_MODEL
+    return run_item(model, processor, item.name, item.length, spec["text_n"], *common, bar=bar)[1]
 
 
 def _weight(name: str) -> int:
@@ -301,6 +381,8 @@ def _command(args, split: str) -> str:
         cmd += f" --members {args.members}"
     if getattr(args, "rows", ""):
         cmd += f" --rows '{args.rows}'"
+    if getattr(args, "jobs", None) not in (None, "", "auto"):
+        cmd += f" --jobs {args.jobs}"
     for flag in ("text_n", "text_lengths", "text_tasks"):
         value = getattr(args, flag, None)
         if value not in (None, ""):

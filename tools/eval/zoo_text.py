@@ -109,18 +109,43 @@ def run_text(
     (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do. bar: the run's one
     bar, told of ``text_weight(length)`` steps for each of ``run_task``'s."""
     model, processor = load_text_model()
-    for length in lengths:
-        for task in tasks:
-            t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
-            steps = None if bar is None else Steps(bar, text_weight(length))
-            if steps is not None:
-                steps.set_postfix(t.name)
-            yield (
-                t.name,
-                run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle, bar=steps),
-            )
+    for task, length in text_items(tasks, lengths):
+        yield run_item(model, processor, task, length, n, seed, split, configs, budgets, chunk, oracle, bar)
     del model
     gc.collect()
+
+
+def text_items(tasks, lengths) -> list[tuple[str, int]]:
+    """The suite's (task, length) row groups in the order ``run_text`` runs them (and the tables list them)."""
+    return [(task, length) for length in lengths for task in tasks]
+
+
+def text_name(task: str, length: int) -> str:
+    """The tables' name of ``task`` at ``length`` tokens (``TextTask.name``)."""
+    return TextTask(task, length).name
+
+
+def run_item(
+    model,
+    processor,
+    task: str,
+    length: int,
+    n: int,
+    seed: int,
+    split: str,
+    configs,
+    budgets,
+    chunk: int = 25,
+    oracle: bool = True,
+    bar: Progress | None = None,
+) -> tuple[str, dict]:
+    """``(name, result)`` of one (task, length) on the loaded text model: one of ``run_text``'s, which
+    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``zoo_jobs.py``)."""
+    t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
+    steps = None if bar is None else Steps(bar, text_weight(length))
+    if steps is not None:
+        steps.set_postfix(t.name)
+    return t.name, run_task(model, processor, t, n, seed, split, configs, budgets, chunk, oracle, bar=steps)
 
 
 def run_task(

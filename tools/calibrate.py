@@ -252,6 +252,32 @@ def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> l
     return out
 
 
+def chunk_phases(n: int, cut: int, chunk: int) -> list[list[tuple[int, int]]]:
+    """The prompts' chunks as (start, end): those of the first ``cut`` (the screening), then the rest's (one
+    phase when ``cut`` is ``n``)."""
+    first = [(a, min(a + chunk, cut)) for a in range(0, cut, chunk)]
+    rest = [(a, min(a + chunk, n)) for a in range(cut, n, chunk)]
+    return [first, rest] if rest else [first]
+
+
+def _measure_here(model_dir, dtype, requests, budgets, tokens, phases, result, keep):
+    """Every chunk in this process; returns the survivors (None without screening) and the fingerprint."""
+    model = load_model(ModelConfig(path=model_dir, dtype=dtype))
+    processor = load_processor(model_dir)
+    spec = ModelSpec.from_model(model, processor.tokenizer)
+    examples = list(_examples(requests, processor, Limits()))
+    active = None
+    spans = [(n, span) for n, phase in enumerate(phases) for span in phase]
+    for n, (at, end) in track(spans, desc="calibrate", unit="chunk"):
+        if n and active is None:
+            active = survivors(result.rows(), budgets, keep)
+        prepared = prepare(
+            model, processor, examples[at:end], progress=False, task=_RenderedTask, next_attention=False
+        )
+        measure_chunk(model, prepared, budgets, tokens, result, active)
+    return active, spec.fingerprint
+
+
 def calibrate(
     model_dir: str,
     prompts: str,
@@ -264,12 +290,14 @@ def calibrate(
     screen: int = 0,
     keep: int = 4,
     trace: str = "",
+    jobs: int = 1,
 ) -> tuple[Path, CompressionProfile, float]:
     """Run the calibration; returns the profile's path, the profile and the seconds it took.
 
     screen: successive halving: every candidate on the first ``screen`` prompts, then per budget only the
     ``keep`` best so far and the default on the rest (0: every candidate on every prompt). trace: write every
-    prompt's agreement and KL per (candidate, budget) there as JSON lines."""
+    prompt's agreement and KL per (candidate, budget) there as JSON lines. jobs: worker processes sharing the
+    chunks (``calibrate_jobs.py``; the same table as one process)."""
     start = time.perf_counter()
     budgets = tuple(sorted(float(b) for b in budgets))
     if not budgets or any(not 0.0 < b < 1.0 for b in budgets):
@@ -278,31 +306,27 @@ def calibrate(
         raise ValueError("tokens must be >= 2 (the first is the prefill's, the same for every cache)")
     if screen < 0 or keep < 1:
         raise ValueError(f"screen must be >= 0 and keep >= 1, got {screen} and {keep}")
+    if jobs < 1 or chunk < 1:
+        raise ValueError(f"jobs and chunk must be >= 1, got {jobs} and {chunk}")
     requests, digest = read_prompts(prompts)
     requests = requests[:max_prompts] if max_prompts else requests
-    cfg = ModelConfig(path=model_dir, dtype=dtype)
-    model = load_model(cfg)
-    processor = load_processor(model_dir)
-    spec = ModelSpec.from_model(model, processor.tokenizer)
-    examples = list(_examples(requests, processor, Limits()))
     result = Calibration(trace=[] if trace else None)
-    cut = screen if 0 < screen < len(examples) else len(examples)
-    starts = [*range(0, cut, chunk), *range(cut, len(examples), chunk)]
-    active = None
-    for at in track(starts, desc="calibrate", unit="chunk"):
-        if at == cut and cut < len(examples):
-            active = survivors(result.rows(), budgets, keep)
-        end = min(at + chunk, cut if at < cut else len(examples))
-        prepared = prepare(
-            model, processor, examples[at:end], progress=False, task=_RenderedTask, next_attention=False
+    cut = screen if 0 < screen < len(requests) else len(requests)
+    phases = chunk_phases(len(requests), cut, chunk)
+    if jobs > 1 and sum(map(len, phases)) > 1:
+        from vlkv.tools.calibrate_jobs import measure_in_workers
+
+        active, fingerprint = measure_in_workers(
+            model_dir, prompts, dtype, budgets, tokens, max_prompts, phases, result, keep, jobs
         )
-        measure_chunk(model, prepared, budgets, tokens, result, active)
+    else:
+        active, fingerprint = _measure_here(model_dir, dtype, requests, budgets, tokens, phases, result, keep)
     rows = result.rows()
     measure = {"tokens": tokens, "threshold": THRESHOLD, "candidates": len(CANDIDATES)}
     if active is not None:
         measure.update(screen=cut, keep=keep)
     profile = CompressionProfile(
-        model={"fingerprint": spec.fingerprint, "path": str(Path(model_dir).resolve()), "dtype": dtype},
+        model={"fingerprint": fingerprint, "path": str(Path(model_dir).resolve()), "dtype": dtype},
         prompts={"digest": digest, "count": len(requests), "file": Path(prompts).name},
         measure=measure,
         entries=best_per_budget(rows, budgets),

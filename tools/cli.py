@@ -461,20 +461,27 @@ def cmd_eval(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from vlkv.tools.calibrate import calibrate, format_table
+    from vlkv.tools.calibrate_jobs import WorkerError, auto_jobs
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-    path, profile, seconds = calibrate(
-        args.model,
-        args.prompts,
-        budgets,
-        args.n,
-        args.out,
-        args.dtype,
-        args.max_prompts,
-        screen=args.screen,
-        keep=args.keep,
-        trace=args.trace,
-    )
+    try:
+        path, profile, seconds = calibrate(
+            args.model,
+            args.prompts,
+            budgets,
+            args.n,
+            args.out,
+            args.dtype,
+            args.max_prompts,
+            chunk=args.chunk,
+            screen=args.screen,
+            keep=args.keep,
+            trace=args.trace,
+            jobs=auto_jobs() if args.jobs == "auto" else int(args.jobs),
+        )
+    except WorkerError as err:
+        print(f"vlkv calibrate: {err}", file=sys.stderr)
+        return 1
     print(format_table(profile))
     chosen = ", ".join(f"{e.budget:g}: {e.candidate}" for e in profile.entries)
     print(f"\nchosen: {chosen}\nwrote {path} ({profile.label}) in {seconds:.0f} s")
@@ -781,6 +788,19 @@ def main(argv: list[str] | None = None) -> int:
         "and the default (0: every candidate on every prompt)",
     )
     p.add_argument("--keep", type=int, default=4, help="with --screen: candidates kept per budget")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=8,
+        help="prompts prefilled and decoded as one batch, the unit a --jobs worker takes",
+    )
+    p.add_argument(
+        "--jobs",
+        default="auto",
+        type=lambda v: v if v == "auto" else str(int(v)),
+        help="worker processes sharing the prompts, one torch thread each; the same table as one process "
+        "(auto: min(2, CPUs); 1: this process)",
+    )
     p.add_argument(
         "--trace", default="", help="write each prompt's agreement and KL per candidate (JSON lines)"
     )

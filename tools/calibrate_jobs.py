@@ -57,7 +57,7 @@ def _worker(rank, model_dir, prompts, dtype, budgets, tokens, max_prompts, tasks
     from vlkv.tools.calibrate_prompts import read_prompts
     from vlkv.tools.eval.evaluation import prepare
 
-    span = None
+    span, parent = None, os.getppid()
     try:
         requests, _ = read_prompts(prompts)
         requests = requests[:max_prompts] if max_prompts else requests
@@ -65,7 +65,7 @@ def _worker(rank, model_dir, prompts, dtype, budgets, tokens, max_prompts, tasks
         processor = load_processor(model_dir)
         if rank == 0:
             results.put(("spec", ModelSpec.from_model(model, processor.tokenizer).fingerprint))
-        while (task := tasks.get()) is not None:
+        while (task := _next(tasks, parent)) is not None:
             index, start, end, active = task
             span = (start, end)
             examples = list(_examples(requests[start:end], processor, Limits()))
@@ -84,6 +84,16 @@ def _worker(rank, model_dir, prompts, dtype, budgets, tokens, max_prompts, tasks
         cause = "".join(traceback.format_exception_only(type(err), err)).strip()
         print(f"calibrate worker {rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         results.put(("error", f"calibrate worker {rank} failed at {where}: {cause}"))
+
+
+def _next(tasks, parent: int):
+    """The next task, or None at the end or once the parent is gone (so a killed parent leaves no worker)."""
+    while True:
+        try:
+            return tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 class _Pool:
@@ -113,8 +123,10 @@ class _Pool:
                         f"calibrate worker {i} exited with code {code} without a result"
                     ) from None
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
+        """``finished``: every worker was sent its end and exits on its own; otherwise stop them now."""
         for p in self.procs:
+            p.join(timeout=30 if finished else 0)
             if p.is_alive():
                 p.terminate()
         for p in self.procs:
@@ -146,7 +158,7 @@ def measure_in_workers(
     jobs = max(1, min(jobs, max(len(phase) for phase in phases)))
     pool = _Pool(jobs, (model_dir, prompts, dtype, tuple(budgets), tokens, max_prompts))
     bar = Progress(total=total, desc="calibrate", unit="prompt")
-    fingerprint, active = "", None
+    fingerprint, active, finished = "", None, False
     try:
         for n, phase in enumerate(phases):
             if n:
@@ -177,7 +189,8 @@ def measure_in_workers(
             if message[0] == "error":
                 raise WorkerError(message[1])
             fingerprint = message[1] if message[0] == "spec" else fingerprint
+        finished = True
     finally:
         bar.close()
-        pool.close()
+        pool.close(finished)
     return active, fingerprint

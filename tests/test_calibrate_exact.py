@@ -1,5 +1,6 @@
 """``vlkv calibrate``'s whole-answer count (``exact``): counted per prompt, written in the profile's table and
-its markdown, validated on reading; a profile written before it was measured still loads."""
+its markdown, validated on reading, reported but not ranked on; a profile written before it was measured
+still loads."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from vlkv.common.compression.presets import PRESETS
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, profile_from_dict
 from vlkv.common.compression.registry import policy_from_dict
-from vlkv.tools.calibrate import CANDIDATES, Calibration, format_table
+from vlkv.tools.calibrate import CANDIDATES, Calibration, best_per_budget, format_table, survivors
 
 
 def _profile(rows) -> dict:
@@ -38,3 +39,23 @@ def test_the_table_shows_exact_and_an_older_profile_without_it_still_loads():
     for bad in (1.5, -0.1, "all"):
         with pytest.raises(ValueError, match=r"table\[0\]\.exact"):
             profile_from_dict(_profile([{**row, "exact": bad}]))
+
+
+def test_the_choice_ranks_by_per_position_agreement_not_by_whole_answers():
+    """Ranking by whole answers first chose the same entries as agreement on smol_codes, smol_objects and
+    needle (common/compression/README.md, "Whole-answer agreement"), so the rule stays: the highest
+    agreement, then the lower KL, then the grid's order, whatever the exact share."""
+    labels = [label for label, _ in CANDIDATES]
+    policies = dict(CANDIDATES)
+    rows = [
+        {"candidate": labels[i], "budget": 0.02, "agreement": a, "kl": kl, "exact": exact, "prompts": 10}
+        | {"policy": policies[labels[i]]}
+        for i, exact, a, kl in (
+            (0, 0.30, 0.57, 1.0),  # more whole answers, fewer positions agree
+            (1, 0.10, 0.85, 0.5),
+            (2, 0.00, 0.85, 0.4),  # ties on agreement: the lower KL
+        )
+    ]
+    assert survivors(rows, [0.02], 1) == {0.02: {labels[2], labels[0]}}
+    (entry,) = best_per_budget(rows, [0.02])
+    assert entry.candidate == labels[2]

@@ -11,8 +11,10 @@ through its compressed cache, all of a prompt's distinct caches and forced token
 (``calibrate_force.py``: the decode step's layers and fp32 attention, not N decode steps): **agreement** is the share of positions whose greedy token under the
 compressed cache is the full cache's, **KL** the mean ``KL(p_full || p_compressed)`` over those positions
 (the prefill's own token is the same for every cache and is not counted). Per budget the candidate with the
-highest mean agreement wins, ties to the lower KL. Prompts are prefilled in chunks, each chunk's full caches
-decoded as one batch.
+highest mean agreement wins, ties to the lower KL. The table also reports **exact**, the share of prompts whose
+whole answer was reproduced (agreement 1.0); ranking by it first chose the same entries on smol_codes,
+smol_objects and needle (``common/compression/README.md``, "Whole-answer agreement"), so it is not ranked on.
+Prompts are prefilled in chunks, each chunk's full caches decoded as one batch.
 
 Cost per prompt on ``smol_codes`` (SmolLM2-135M with an image, ~760 tokens, fp32, one CPU thread, 29
 candidates x 4 budgets, ~10-token answers): ~10 s CPU (100 prompts: 998 s CPU), about a third the prefill with

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vlkv.tools.eval.zoo import run_zoo
-from vlkv.tools.eval.zoo_jobs import auto_jobs, parse_jobs
+from vlkv.tools.jobs import auto_jobs, parse_jobs
 
 
 def _args(out, jobs, members, **kw) -> SimpleNamespace:
@@ -52,3 +52,13 @@ def test_an_item_that_fails_in_its_worker_stops_the_run_and_names_it(tmp_path, c
     err = capsys.readouterr().err
     assert "text nosuch 1K failed" in err and "unknown task 'nosuch'" in err
     assert not multiprocessing.active_children()  # every worker ended, none left running
+
+
+@pytest.mark.parametrize("command", [["eval", "--zoo"], ["calibrate", "--prompts", "p.jsonl"]])
+def test_cli_refuses_zero_jobs_before_any_work(command, capsys):
+    from vlkv.tools.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--jobs", "0"])
+    assert exc.value.code == 2
+    assert "--jobs" in capsys.readouterr().err

@@ -21,6 +21,7 @@ import queue
 import sys
 import traceback
 
+from vlkv.tools.jobs import one_thread_env
 from vlkv.tools.progress import Progress
 
 POLL_S = 0.5
@@ -28,11 +29,6 @@ POLL_S = 0.5
 
 class WorkerError(RuntimeError):
     """A calibration worker failed (its prompts and error in the message)."""
-
-
-def auto_jobs() -> int:
-    """``--jobs auto``: two workers where the machine has two CPUs or more, else one."""
-    return min(2, os.cpu_count() or 1)
 
 
 class _PerPrompt:
@@ -107,8 +103,9 @@ class _Pool:
             ctx.Process(target=_worker, args=(rank, *args, self.tasks, self.results), daemon=True)
             for rank in range(jobs)
         ]
-        for p in self.procs:
-            p.start()
+        with one_thread_env():
+            for p in self.procs:
+                p.start()
 
     def get(self):
         """The next message; WorkerError when a worker died without one."""

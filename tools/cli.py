@@ -459,9 +459,16 @@ def cmd_eval(args) -> int:
     return run_eval(args)
 
 
+def _jobs(value: str) -> int:
+    """``--jobs``: auto or a count >= 1 (argparse reports a ValueError as an invalid value)."""
+    from vlkv.tools.jobs import parse_jobs
+
+    return parse_jobs(value)
+
+
 def cmd_calibrate(args) -> int:
     from vlkv.tools.calibrate import calibrate, format_table
-    from vlkv.tools.calibrate_jobs import WorkerError, auto_jobs
+    from vlkv.tools.calibrate_jobs import WorkerError
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     try:
@@ -477,7 +484,7 @@ def cmd_calibrate(args) -> int:
             screen=args.screen,
             keep=args.keep,
             trace=args.trace,
-            jobs=auto_jobs() if args.jobs == "auto" else int(args.jobs),
+            jobs=args.jobs,
         )
     except WorkerError as err:
         print(f"vlkv calibrate: {err}", file=sys.stderr)
@@ -663,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--jobs",
         default="auto",
+        type=_jobs,
         help="--zoo: worker processes of one torch thread each, each running a member or a text task at one "
         "length, the longest first (auto: min(2, CPU cores); 1: everything in this process, as before)",
     )
@@ -797,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--jobs",
         default="auto",
-        type=lambda v: v if v == "auto" else str(int(v)),
+        type=_jobs,
         help="worker processes sharing the prompts, one torch thread each; the same table as one process "
         "(auto: min(2, CPUs); 1: this process)",
     )

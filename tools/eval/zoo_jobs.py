@@ -1,7 +1,6 @@
 """``vlkv eval --zoo --jobs N``: the run's work items in N worker processes, one torch thread each.
 
-The run's matmuls are small, so a second torch thread in one process gains little; two processes on two
-cores run two items at once. ``run_items`` starts ``jobs`` spawned processes (``OMP_NUM_THREADS=1``,
+``run_items`` starts ``jobs`` spawned processes (``OMP_NUM_THREADS=1``,
 ``torch.set_num_threads(1)``) that take the items off one queue in the order given (the caller puts the
 longest first) and run each with ``runner(item, spec, bar)``, a module-level function (pickled by name).
 Everything a worker says comes back on one queue: an item started, steps done (the parent's one bar counts
@@ -16,7 +15,6 @@ parent ends them) and end themselves if the parent goes away.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import signal
@@ -26,9 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from vlkv.tools.jobs import one_thread_env, parse_jobs
 from vlkv.tools.progress import Progress
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+__all__ = ["JobFailed", "parse_jobs", "run_items"]
+
 POLL_S = 0.5
 
 
@@ -38,21 +38,6 @@ class JobFailed(RuntimeError):
     def __init__(self, item: str, error: str) -> None:
         super().__init__(f"{item} failed: {error}")
         self.item, self.error = item, error
-
-
-def auto_jobs() -> int:
-    """``--jobs auto``: one worker per core, at most two (the machine the default run is sized for)."""
-    return max(1, min(2, os.cpu_count() or 1))
-
-
-def parse_jobs(value: str | int | None) -> int:
-    """``--jobs``: ``auto`` (or None) or a count >= 1."""
-    if value in (None, "", "auto"):
-        return auto_jobs()
-    jobs = int(value)
-    if jobs < 1:
-        raise ValueError(f"--jobs must be auto or >= 1, got {value!r}")
-    return jobs
 
 
 class _QueueBar:
@@ -93,21 +78,6 @@ def _worker(wid: int, items: Sequence, spec: Any, runner: Callable, todo, out, p
         out.put(("done", wid, (i, result)))
 
 
-@contextlib.contextmanager
-def _one_thread_env():
-    """Children inherit the environment at spawn: one OpenMP/BLAS thread from their first import."""
-    saved = {k: os.environ.get(k) for k in THREAD_ENV}
-    os.environ.update({k: "1" for k in THREAD_ENV})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_items(
     items: Sequence,
     order: Sequence[int],
@@ -141,7 +111,7 @@ def run_items(
     running: dict[int, int] = {}  # worker -> item
     left = len(order)
     try:
-        with _one_thread_env():
+        with one_thread_env():
             for p in procs:
                 p.start()
         while left:

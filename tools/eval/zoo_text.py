@@ -93,24 +93,13 @@ def load_text_model():
     return load_model(ModelConfig(path=path, dtype="bfloat16")), load_processor(path)
 
 
-def run_text(
-    tasks,
-    lengths,
-    n: int,
-    seed: int,
-    split: str,
-    configs,
-    budgets,
-    chunk: int = 25,
-    oracle: bool = True,
-    bar: Progress | None = None,
-):
-    """Yields ``(name, result)`` per (task, length) as each finishes; ``result`` as ``zoo.run_member``'s
-    (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do. bar: the run's one
-    bar, told of ``text_weight(length)`` steps for each of ``run_task``'s."""
+def run_text(tasks, lengths, *args, **kwargs):
+    """Yields ``(name, result)`` per (task, length) as each finishes, on one loaded text model: ``run_item``
+    for each (``args``/``kwargs``: ``run_item``'s after the task and length); ``result`` as
+    ``zoo.run_member``'s (before ``zoo_report.finalize``), with ``dropped`` for a task the model cannot do."""
     model, processor = load_text_model()
     for task, length in text_items(tasks, lengths):
-        yield run_item(model, processor, task, length, n, seed, split, configs, budgets, chunk, oracle, bar)
+        yield run_item(model, processor, task, length, *args, **kwargs)
     del model
     gc.collect()
 
@@ -140,7 +129,8 @@ def run_item(
     bar: Progress | None = None,
 ) -> tuple[str, dict]:
     """``(name, result)`` of one (task, length) on the loaded text model: one of ``run_text``'s, which
-    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``zoo_jobs.py``)."""
+    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``zoo_jobs.py``). bar: the run's one bar,
+    told of ``text_weight(length)`` steps for each of ``run_task``'s."""
     t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
     steps = None if bar is None else Steps(bar, text_weight(length))
     if steps is not None:

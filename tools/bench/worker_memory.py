@@ -7,7 +7,8 @@ token drawn here), warms each up with a good request, then sends each ``--inputs
 the prefill worker a Prefill whose ``pixel_values`` hold ``--prefill-mb`` MB of images under one vision span
 (44 images of the default model for 60 MB), the decode worker a TransferKV stream whose first data chunk holds
 ``--transfer-mb`` MB. It prints each worker's RSS at the start (after the warm-up), the highest seen while
-the inputs came, and ``--settle-s`` seconds after the last, plus the codes the inputs ended with. Runs on
+the inputs came, and the lowest over the ``--settle-s`` seconds after the last (``settled_rss``), plus the
+codes the inputs ended with. Runs on
 older vlkv too (without an internal token where that version refuses one), for before/after figures.
 """
 
@@ -148,6 +149,18 @@ def _good_prefill(processor, spec, decode: str, rid: str) -> worker_pb2.PrefillR
     return to_prefill_proto(req, decode)
 
 
+def settled_rss(rss, settle_s: float, every_s: float = 0.25) -> int:
+    """The lowest resident memory seen over ``settle_s`` seconds of quiet after the inputs: the worker's
+    heap trimmer gives memory back once the burst has settled (a check a second, ``common/heap.py``), so one
+    sample at a fixed moment races it; the lowest over the window is what the idle worker came back to."""
+    low = rss()
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:
+        time.sleep(every_s)
+        low = min(low, rss())
+    return low
+
+
 def large_prefill(good: worker_pb2.PrefillRequest, megabytes: float) -> worker_pb2.PrefillRequest:
     """``good`` with pixel values for as many images as fill ``megabytes`` MB, under its one vision span."""
     pb = worker_pb2.PrefillRequest()
@@ -221,8 +234,7 @@ def measure(
                 code = _code(lambda: send(i))  # noqa: B023 - called at once
                 f.codes[code] = f.codes.get(code, 0) + 1
                 f.peak = max(f.peak, w.rss(kind))
-            time.sleep(settle_s)
-            f.after = w.rss(kind)
+            f.after = settled_rss(lambda: w.rss(kind), settle_s)  # noqa: B023 - called at once
             out.append(f)
         return out
     finally:

@@ -23,6 +23,7 @@ from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.inputs import ModalityMap
+from vlkv.common.model.question import prompt_question
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
@@ -126,14 +127,17 @@ class PrefillEngine:
     def run(self, req: PreparedRequest) -> PrefillResult:
         start = time.perf_counter()
         m, tau = req.modality.m, req.modality.tau
+        question = prompt_question(req.input_ids, tau >= m, self.spec.turns)
         compression, sampling = req.compression, req.sampling
         profiled = self.profile is not None and not compression.explicit and compression.budget < 1.0
         policy = self.profile.policy_for(compression.budget) if profiled else compression.build_policy()
         full = policy.is_full(compression.budget)  # the one definition (Policy.is_full), on the built policy
         collector = None
         if policy.requires_stats and not full:
-            collector = StatsCollector(policy.query_start(m, tau), compression.threshold)
-        logits, keys, values, reuse = self.forward_cached(req, collector, policy.query_start(m, tau))
+            collector = StatsCollector(policy.query_start(m, tau, question), compression.threshold)
+        logits, keys, values, reuse = self.forward_cached(
+            req, collector, policy.query_start(m, tau, question)
+        )
         generator = None if sampling.greedy else make_generator(sampling.seed)
         try:
             first = sample_token(logits, sampling, generator)
@@ -147,7 +151,14 @@ class PrefillEngine:
         # A full cache (full policy or budget >= 1) comes back from compress bitwise unchanged.
         with torch.inference_mode():
             ckv = policy.compress(
-                stats, keys, values, alpha=compression.budget, m=m, tau=tau, first_token=first
+                stats,
+                keys,
+                values,
+                alpha=compression.budget,
+                m=m,
+                tau=tau,
+                first_token=first,
+                question=question,
             )
         name = "full" if full else policy.name
         label = self.profile.label if profiled else ""

@@ -191,7 +191,14 @@ def test_layer_share_keeps_in_every_layer_what_one_layer_looks_up():
 
 
 @pytest.mark.parametrize(
-    "name", ["vlcache_text", "vlcache_text_lowbudget", "vlcache_lookup", "vlcache_text_span"]
+    "name",
+    [
+        "vlcache_text",
+        "vlcache_text_lowbudget",
+        "vlcache_lookup",
+        "vlcache_text_span",
+        "vlcache_text_question",
+    ],
 )
 def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone(name):
     from vlkv.common.compression import policy_from_dict, preset
@@ -215,6 +222,12 @@ def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone
         theirs = twin.compress(stats, keys, keys, alpha=0.2, m=m, tau=tau)
         assert all(torch.equal(a, b) for a, b in zip(ours.kept_indices, theirs.kept_indices, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(ours.prompt_scores, theirs.prompt_scores, strict=True))
+    # an image prompt's cache is the plain policy's whatever final question the caller counted
+    stats = [_stats(torch.rand(4, m, generator=gen), 20) for _ in range(layers)]
+    ours = policy.compress(stats, keys, keys, alpha=0.2, m=m, tau=20, question=30)
+    theirs = plain.compress(stats, keys, keys, alpha=0.2, m=m, tau=20)
+    assert all(torch.equal(a, b) for a, b in zip(ours.kept_indices, theirs.kept_indices, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ours.prompt_scores, theirs.prompt_scores, strict=True))
     assert policy_from_dict(policy.to_dict()) == policy
     for bad, message in (
         ({"text_preset": "nope"}, "unknown compression preset"),

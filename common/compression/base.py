@@ -64,6 +64,11 @@ class Policy:
     text_window: a prompt with no vision tokens (tau = m) is treated as if its last ``text_window`` tokens
     were the post-vision text: they are the statistics rows that score the rest (SnapKV's observation
     window) and, with ``post_vision_window``, kept outright. 0: every row is post-vision (H2O-like scores).
+    question_min, question_max: with ``question_max > 0`` a text-only prompt's observation window is instead
+    its own final question (``question``: the tokens after the last line break of the last user turn through
+    the prompt's end, as ``common/model/question.py`` counts them from the request's ids), clipped to
+    ``[question_min, question_max]`` rows; a prompt with no line break there (``question = 0``) keeps
+    ``text_window``. 0: off.
     span_after: each token also scores as the best of the ``span_after`` tokens before it (after pooling
     and the GQA sum), so what follows an attended token is kept with it (0: off).
     chunk_size: the scored tokens are kept in whole chunks of this many consecutive positions, the chunks
@@ -95,6 +100,8 @@ class Policy:
     row_normalized: bool = False
     pool_kernel: int = 1
     text_window: int = 0
+    question_min: int = 0
+    question_max: int = 0
     span_after: int = 0
     chunk_size: int = 1
     layer_share: float = 0.0
@@ -110,9 +117,11 @@ class Policy:
         for name in ("recent_ratio", "post_vision_cap", "layer_share", "lookahead_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("sink_tokens", "text_window", "span_after", "lookahead"):
+        for name in ("sink_tokens", "text_window", "question_min", "question_max", "span_after", "lookahead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.question_max and self.question_min > self.question_max:
+            raise ValueError(f"question_min {self.question_min} is above question_max {self.question_max}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
         if self.chunk_size < 1:
@@ -174,18 +183,25 @@ class Policy:
         policy = self.for_prompt(m, tau)
         return 0 if policy.is_full(alpha) else policy.lookahead
 
-    def observed_tau(self, m: int, tau: int) -> int:
-        """The post-vision length the policy works with: ``tau``, or ``min(m, text_window)`` for a prompt with
-        no vision tokens (``tau >= m``) when ``text_window`` is set."""
-        return min(m, self.text_window) if self.text_window and tau >= m else tau
+    def observed_tau(self, m: int, tau: int, question: int = 0) -> int:
+        """The post-vision length the policy works with: ``tau``; for a prompt with no vision tokens
+        (``tau >= m``) its final ``question`` tokens clipped to ``[question_min, question_max]`` when
+        ``question_max`` is set and the prompt has one (``question > 0``), else ``min(m, text_window)`` when
+        ``text_window`` is set. The one place a text-only prompt's observation window is decided."""
+        if tau < m:
+            return tau
+        if self.question_max and question > 0:
+            return min(m, max(self.question_min, min(self.question_max, question)))
+        return min(m, self.text_window) if self.text_window else tau
 
-    def query_start(self, m: int, tau: int) -> int:
+    def query_start(self, m: int, tau: int, question: int = 0) -> int:
         """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision
-        (for a text-only prompt, the last ``text_window`` rows when set; ``text_preset``'s own rows)."""
+        (for a text-only prompt, ``observed_tau``'s window; ``text_preset``'s own rows). ``question``: the
+        prompt's final question in tokens (``common/model/question.py``; 0: unknown)."""
         policy = self.for_prompt(m, tau)
         if policy is not self:
-            return policy.query_start(m, tau)
-        return post_vision_start(m, self.observed_tau(m, tau))
+            return policy.query_start(m, tau, question)
+        return post_vision_start(m, self.observed_tau(m, tau, question))
 
     def allocate(
         self, stats_per_layer: Sequence[AttentionStatsLike | None] | None, alpha: float, m: int, L: int
@@ -270,20 +286,29 @@ class Policy:
         alpha: float,
         m: int,
         tau: int,
+        question: int = 0,
     ) -> list[torch.Tensor]:
         """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``.
 
         Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``. A text-only prompt goes
-        to ``text_preset``'s policy when set.
+        to ``text_preset``'s policy when set. ``question``: as for ``query_start``.
         """
         policy = self.for_prompt(m, tau)
         if policy is not self:
-            return policy.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
+            return policy.plan(
+                stats_per_layer,
+                keys_per_layer,
+                values_per_layer,
+                alpha=alpha,
+                m=m,
+                tau=tau,
+                question=question,
+            )
         num_layers = len(keys_per_layer)
         if len(values_per_layer) != num_layers:
             raise ValueError("keys and values must have one tensor per layer")
-        q0 = self.query_start(m, tau)
-        tau = self.observed_tau(m, tau)  # a text-only prompt's observation window (text_window)
+        q0 = self.query_start(m, tau, question)
+        tau = self.observed_tau(m, tau, question)  # a text-only prompt's observation window
         needs_stats = self.requires_stats and not self.is_full(alpha)
         stats = _require(stats_per_layer, num_layers, self.name) if needs_stats else None
         for i, keys in enumerate(keys_per_layer):
@@ -319,19 +344,22 @@ class Policy:
         m: int,
         tau: int,
         first_token: int = 0,
+        question: int = 0,
     ) -> CompactKV:
         """Compress one sequence's cache. keys/values per layer: ``[H_kv, m, D]`` (post-RoPE).
 
         With attention statistics, ``prompt_scores`` holds each kept position's attention per covered query
         row (``stats.kept_prompt_scores``). Layers whose budget is m are passed through untouched (the same
         tensors, made contiguous if they are not), so ``alpha >= 1`` and the ``full`` policy return the cache
-        bitwise unchanged.
+        bitwise unchanged. ``question``: as for ``query_start``.
         """
-        kept = self.plan(stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau)
+        kept = self.plan(
+            stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau, question=question
+        )
         scores = None
         active = self.for_prompt(m, tau)
         if active.requires_stats and not active.is_full(alpha):  # plan checked the statistics
-            rows = m - active.query_start(m, tau)
+            rows = m - active.query_start(m, tau, question)
             scores = [kept_prompt_scores(s, idx, rows) for s, idx in zip(stats_per_layer, kept, strict=True)]
         out_k, out_v = [], []
         for idx, keys, values in zip(kept, keys_per_layer, values_per_layer, strict=True):

@@ -17,6 +17,6 @@ class H2OPolicy(Policy):
 
     name = "h2o"
 
-    def query_start(self, m: int, tau: int) -> int:
+    def query_start(self, m: int, tau: int, question: int = 0) -> int:
         """All prompt rows."""
         return 0

@@ -32,6 +32,12 @@ third digit of "KEY is: 1234567" or of a "3f9a-c27e" code, counted from the key'
 (32) takes in the context's last tokens as rows, whose local look-ups, each spread 16 forward, crowd the
 value out on ``needle``. Chosen on the training split of all five text tasks (n = 10 each).
 
+``vlcache_text_question``: ``vlcache_text_span`` whose observation window is the prompt's own final question
+(``question_min``/``question_max``: the tokens after the last line break of the user turn through the chat
+template's tail, ``common/model/question.py``; 21 rows on a ``needle`` prompt, 28-30 on a RULER one),
+clipped to 8..48 rows; a prompt with no line break there keeps the 24-row window (issue #38; compression
+README, "Text-only prompts: the question as the window").
+
 ``vlcache_text_span_lookahead``: ``vlcache_text_span`` with a 16-token draft mixed half and half into the
 scores (``lookahead``, ``lookahead.py``); not adopted (protocol v2.1's text dimension, 0.510 against 0.615).
 ``vlcache_text_span_lookahead{32,48}`` (w 0.5) and ``..._w1`` (w 1.0): the same with 32- and 48-token drafts,
@@ -80,6 +86,7 @@ PRESETS["vlcache_text_lowbudget"] = PRESETS["vlcache_text"] | {
     "recent_ratio": 0.0,
 }
 PRESETS["vlcache_text_span"] = PRESETS["vlcache_lookup"] | {"text_window": 24, "span_after": 16}
+PRESETS["vlcache_text_question"] = PRESETS["vlcache_text_span"] | {"question_min": 8, "question_max": 48}
 PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
     "lookahead": 16,
     "lookahead_weight": 0.5,

@@ -25,6 +25,6 @@ class SnapKVPolicy(Policy):
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
-    def query_start(self, m: int, tau: int) -> int:
+    def query_start(self, m: int, tau: int, question: int = 0) -> int:
         """The last ``min(m, window)`` rows."""
         return m - min(m, self.window)

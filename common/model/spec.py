@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from .question import TurnLayout
+
 # Elements sampled per parameter by ``model_fingerprint`` (evenly strided, plus the tensor's last element).
 FINGERPRINT_SAMPLES = 1024
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -35,6 +37,7 @@ class ModelSpec:
     image_token_id: int
     eos_token_ids: tuple[int, ...]
     fingerprint: str = ""  # empty when built without weights (the gateway)
+    turns: TurnLayout | None = None  # where a prompt's final question starts (``question.py``; workers only)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -80,11 +83,13 @@ class ModelSpec:
 
     @classmethod
     def from_model(cls, model, tokenizer=None) -> ModelSpec:
-        """From a loaded model: its dtype and the fingerprint of its weights."""
+        """From a loaded model: its dtype and the fingerprint of its weights (with ``tokenizer``, its
+        ``TurnLayout`` too)."""
         dtype = next(model.parameters()).dtype
         eos = _eos_ids(getattr(model, "generation_config", None), tokenizer)
         spec = cls.from_config(model.config, dtype, eos)
-        return dataclasses.replace(spec, fingerprint=model_fingerprint(model, spec))
+        turns = TurnLayout.from_tokenizer(tokenizer) if tokenizer is not None else None
+        return dataclasses.replace(spec, fingerprint=model_fingerprint(model, spec), turns=turns)
 
 
 def text_config(config):

@@ -25,6 +25,7 @@ from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.prompt_cache import prompt_cache
+from vlkv.common.model.question import prompt_question
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import SamplingConfig
@@ -74,6 +75,7 @@ class Prepared:
     task: Any = field(default=synthetic_task, repr=False)
     model: Any = field(default=None, repr=False)  # for lookahead's draft (``draft``)
     eos: tuple[int, ...] = ()
+    question: int = 0  # the prompt's final question in tokens (``common/model/question.py``; 0: none)
     _stats: dict = field(default_factory=dict, repr=False)
     _draft: Draft | None = field(default=None, repr=False)
     _draft_sums: dict = field(default_factory=dict, repr=False)
@@ -100,7 +102,7 @@ class Prepared:
             policy = get_policy(policy_name, **params)
             for b in budgets:
                 if policy.requires_stats and not policy.is_full(b):
-                    self.stats(policy.query_start(self.m, self.tau), threshold)
+                    self.stats(policy.query_start(self.m, self.tau, self.question), threshold)
         self.q = []
 
     def draft(self, steps: int) -> Draft:
@@ -177,6 +179,7 @@ def prepare(
                 task,
                 model,
                 spec.eos_token_ids,
+                prompt_question(inputs.input_ids, inputs.modality.tau >= m, spec.turns),  # as the worker does
             )
         )
         if counter is not None:
@@ -210,7 +213,9 @@ def policy_stats(prep: Prepared, policy, budget: float, threshold: float = 0.01)
     them over: None when it reads none (a full cache comes back unchanged), with the draft rows' attention
     beside the question's when the prompt's policy has ``lookahead``."""
     needs_stats = policy.requires_stats and not policy.is_full(budget)
-    stats = prep.stats(policy.query_start(prep.m, prep.tau), threshold) if needs_stats else None
+    stats = (
+        prep.stats(policy.query_start(prep.m, prep.tau, prep.question), threshold) if needs_stats else None
+    )
     steps = policy.lookahead_steps(budget, prep.m, prep.tau)
     if steps and stats is not None:
         stats = with_draft(stats, *prep.draft_col_sums(steps, threshold))
@@ -221,7 +226,14 @@ def compress(prep: Prepared, policy_name: str, budget: float, threshold: float =
     policy = get_policy(policy_name, **params)
     stats = policy_stats(prep, policy, budget, threshold)
     return policy.compress(
-        stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau, first_token=prep.first_token
+        stats,
+        prep.keys,
+        prep.values,
+        alpha=budget,
+        m=prep.m,
+        tau=prep.tau,
+        first_token=prep.first_token,
+        question=prep.question,
     )
 
 

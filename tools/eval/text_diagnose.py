@@ -90,8 +90,10 @@ def injected(prep, policy, budget, layers, pos) -> CompactKV:
     """The policy's cache with the needle's tokens first among its scored tokens in ``layers`` (its windows
     and per-layer budgets as they are)."""
     stats = policy_stats(prep, policy, budget)
-    kept = policy.plan(stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau)
-    tau = policy.observed_tau(prep.m, prep.tau)
+    kept = policy.plan(
+        stats, prep.keys, prep.values, alpha=budget, m=prep.m, tau=prep.tau, question=prep.question
+    )
+    tau = policy.observed_tau(prep.m, prep.tau, prep.question)
     out_k, out_v, out_i = [], [], []
     for layer, (idx, keys, values) in enumerate(zip(kept, prep.keys, prep.values, strict=True)):
         if layer in layers and idx.shape[1] < prep.m:
@@ -171,8 +173,8 @@ def _caches(prep, policy, budget, att, oracle_budgets=False, oracle_scores=False
     slots by ``att`` (no pooling, spans or sharing)."""
     policy = policy.for_prompt(prep.m, prep.tau)
     m, layers = prep.m, len(prep.keys)
-    stats = prep.stats(policy.query_start(m, prep.tau), 0.01)
-    tau = policy.observed_tau(m, prep.tau)
+    stats = prep.stats(policy.query_start(m, prep.tau, prep.question), 0.01)
+    tau = policy.observed_tau(m, prep.tau, prep.question)
     budgets = policy.allocate(stats, budget, m, layers)
     if oracle_budgets:
         budgets = mass_budgets(att, sum(budgets))
@@ -184,7 +186,9 @@ def _caches(prep, policy, budget, att, oracle_budgets=False, oracle_scores=False
     else:
         fixed = copy.copy(policy)
         fixed.allocate = lambda *_: list(budgets)  # this copy's budgets, whatever its allocator
-        kept = fixed.plan(stats, prep.keys, prep.values, alpha=budget, m=m, tau=prep.tau)
+        kept = fixed.plan(
+            stats, prep.keys, prep.values, alpha=budget, m=m, tau=prep.tau, question=prep.question
+        )
     out_k, out_v = [], []
     for idx, keys, values in zip(kept, prep.keys, prep.values, strict=True):
         gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
@@ -236,7 +240,7 @@ def _decompose(model, processor, task, prepared, ids, positions, policy, budgets
             right = sum(p.task.is_correct(t, p.example) for p, t in zip(prepared, mine, strict=True))
             print(f"  {label:40s} {right:3d}", flush=True)
         active = policy.for_prompt(prepared[0].m, prepared[0].tau)
-        tau = active.observed_tau(prepared[0].m, prepared[0].tau)
+        tau = active.observed_tau(prepared[0].m, prepared[0].tau, prepared[0].question)
         roles = [r for r in ("name", "is", "d1", "d2", "d3", "d4", "d5", *VALUE_ROLES) if r in positions[0]]
         print("  layer   k fixed " + " ".join(f"{r:>7s}" for r in roles) + "   (items kept: policy/oracle)")
         for layer in range(layers):
@@ -263,8 +267,8 @@ def _print_ranks(model, prepared, ids, positions, policy_name) -> None:
     ora: list[dict] = [dict() for _ in range(layers)]
     for prep, answer, pos in zip(prepared, ids, positions, strict=True):
         att = answer_attention(model, prep, answer)
-        tau = policy.observed_tau(prep.m, prep.tau)
-        stats = prep.stats(policy.query_start(prep.m, prep.tau), 0.01)
+        tau = policy.observed_tau(prep.m, prep.tau, prep.question)
+        stats = prep.stats(policy.query_start(prep.m, prep.tau, prep.question), 0.01)
         for layer in range(layers):
             s = policy.score(layer, stats[layer], prep.keys[layer], prep.values[layer], prep.m, tau)
             for role, r in ranks(s, pos).items():

@@ -22,6 +22,7 @@ from vlkv.tools.client import build_request, generate, png_bytes
 from vlkv.tools.task import synthetic_task
 from vlkv.tools.zoo import member
 
+from tests.calib_prompts import synthetic_prompts
 from tests.inproc_cluster import InProcCluster
 
 BUDGETS = (0.05, 0.1)
@@ -30,9 +31,7 @@ BUDGETS = (0.05, 0.1)
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("calibrate")
-    processor = load_processor(str(DEFAULT_MODEL_DIR))
-    examples = synthetic_task.make_examples(2, seed=3, split="train")
-    prompts = write_prompts(out / "prompts.jsonl", processor, examples, synthetic_task)
+    prompts = synthetic_prompts(out, 2, seed=3)
     path, _, _ = calibrate(str(DEFAULT_MODEL_DIR), str(prompts), BUDGETS, tokens=4, out=str(out / "p.json"))
     return path
 

@@ -10,21 +10,17 @@ import multiprocessing
 import pytest
 import torch
 from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv.common.model.loading import load_processor
 from vlkv.tools.calibrate import calibrate, chunk_phases
-from vlkv.tools.calibrate_prompts import write_prompts
 from vlkv.tools.cli import main
-from vlkv.tools.task import synthetic_task
+
+from tests.calib_prompts import synthetic_prompts
 
 BUDGETS = (0.05, 0.1)
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    out = tmp_path_factory.mktemp("calibrate_jobs")
-    processor = load_processor(str(DEFAULT_MODEL_DIR))
-    examples = synthetic_task.make_examples(3, seed=5, split="train")
-    return write_prompts(out / "prompts.jsonl", processor, examples, synthetic_task)
+    return synthetic_prompts(tmp_path_factory.mktemp("calibrate_jobs"), 3, seed=5)
 
 
 def _run(prompts, tmp_path, name, jobs, **kw):

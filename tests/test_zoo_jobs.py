@@ -1,5 +1,6 @@
-"""``vlkv eval --zoo --jobs N`` (``tools/eval/zoo_jobs.py``): worker processes give the serial run's results in
-its order, and an item that fails in its worker stops the run with its name and error, leaving no worker."""
+"""``vlkv eval --zoo --jobs N`` (the tools' one pool, ``tools/pool.py``): worker processes give the serial
+run's results in its order, and an item that fails in its worker stops the run with its name and error,
+leaving no worker."""
 
 from __future__ import annotations
 

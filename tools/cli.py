@@ -468,7 +468,7 @@ def _jobs(value: str) -> int:
 
 def cmd_calibrate(args) -> int:
     from vlkv.tools.calibrate import calibrate, format_table
-    from vlkv.tools.calibrate_jobs import WorkerError
+    from vlkv.tools.pool import WorkerFailed
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     try:
@@ -486,8 +486,9 @@ def cmd_calibrate(args) -> int:
             trace=args.trace,
             jobs=args.jobs,
         )
-    except WorkerError as err:
-        print(f"vlkv calibrate: {err}", file=sys.stderr)
+    except WorkerFailed as err:  # its traceback, then which prompts and why
+        print(f"calibrate worker {err.worker}:\n{err.error}", file=sys.stderr)
+        print(f"vlkv calibrate: calibrate {err}", file=sys.stderr)
         return 1
     print(format_table(profile))
     chosen = ", ".join(f"{e.budget:g}: {e.candidate}" for e in profile.entries)

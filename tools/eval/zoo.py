@@ -12,7 +12,8 @@ budget and counts the answers that differ from the in-process ones. ``--ablation
 vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``;
 ``--rows`` runs some of them; ``vlkv eval --protocol`` reads the JSON files, ``protocol.py``). ``--jobs N``
 (default ``auto``: both cores here) runs the members and the text suite's (task, length) groups in N worker
-processes of one torch thread each, the longest first (``zoo_jobs.py``), with the same results and tables.
+processes of one torch thread each, the longest first (the tools' one pool, ``tools/pool.py``), with the same
+results and tables.
 
 Tables (``zoo_report.py``): n and a 95% Wilson interval per figure; eviction-trained members and model-bound
 cells (the better oracle < 0.9 of full) marked and left out of the worst member, the ranking and the
@@ -35,7 +36,6 @@ from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval import zoo_report
 from vlkv.tools.eval.evaluation import prepare
-from vlkv.tools.eval.zoo_jobs import JobFailed, parse_jobs, run_items
 from vlkv.tools.eval.zoo_report import finalize, worst_member
 from vlkv.tools.eval.zoo_scoring import FULL, merge, score_chunk
 from vlkv.tools.eval.zoo_text import (
@@ -48,6 +48,8 @@ from vlkv.tools.eval.zoo_text import (
     text_name,
     text_weight,
 )
+from vlkv.tools.jobs import parse_jobs
+from vlkv.tools.pool import Pool, WorkerFailed
 from vlkv.tools.progress import Progress
 from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import MEMBERS, member, text_suite
@@ -290,10 +292,11 @@ def run_zoo(args) -> int:
                 results.update({i.key: done[i.key] for i in items if i.key in done})
                 write()
 
-            order = sorted(range(len(items)), key=lambda i: -items[i].steps)  # the longest first
+            order = sorted(items, key=lambda i: -i.steps)  # the longest first
             try:
-                run_items(items, order, spec, _run_item, jobs, bar, finished, label=lambda i: i.key)
-            except JobFailed as e:
+                with Pool(jobs, _run_item, spec=spec, bar=bar, label=lambda i: i.key) as pool:
+                    pool.run(order, on_result=lambda i, result: finished(order[i], result))
+            except WorkerFailed as e:
                 bar.close()
                 print(f"vlkv eval --zoo: {e.item} failed; the run is stopped.\n{e.error}", file=sys.stderr)
                 return 1
@@ -327,7 +330,7 @@ def run_zoo(args) -> int:
 
 @dataclass(frozen=True)
 class Item:
-    """One work item of ``--jobs N`` (``zoo_jobs.py``): a member, or one text task at one length."""
+    """One work item of ``--jobs N`` (``tools/pool.py``): a member, or one text task at one length."""
 
     key: str
     """Its name in the tables (``results``)."""
@@ -357,7 +360,7 @@ _TEXT_MODEL: list = []
 
 
 def _run_item(item: Item, spec: dict, bar) -> dict:
-    """One ``Item`` in a worker (``zoo_jobs.run_items``): ``run_member``'s result, or ``run_task``'s (the
+    """One ``Item`` in a worker (``Pool.run``): ``run_member``'s result, or ``run_task``'s (the
     parent finalizes it as the serial run does)."""
     common = (spec["seed"], spec["split"], spec["configs"], spec["budgets"])
     if item.kind != TEXT:

@@ -129,7 +129,7 @@ def run_item(
     bar: Progress | None = None,
 ) -> tuple[str, dict]:
     """``(name, result)`` of one (task, length) on the loaded text model: one of ``run_text``'s, which
-    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``zoo_jobs.py``). bar: the run's one bar,
+    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``tools/pool.py``). bar: the run's one bar,
     told of ``text_weight(length)`` steps for each of ``run_task``'s."""
     t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
     steps = None if bar is None else Steps(bar, text_weight(length))

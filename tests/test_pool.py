@@ -1,0 +1,142 @@
+"""The tools' one worker pool (``tools/pool.py``) on tiny items, no model: results in the order given, one
+setup per worker across batches; a failed item, a failed setup or a dead worker stops every worker and names
+the item; Ctrl-C and a killed parent leave no worker; and no "leaked semaphore" after a failure or Ctrl-C
+although every worker holds a multiprocessing lock (as tqdm makes one)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from vlkv.tools.pool import START_UP, Pool, WorkerFailed
+from vlkv.tools.progress import Progress
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup(spec: dict) -> dict:
+    if spec.get("fail_setup"):
+        raise RuntimeError("no model here")
+    return {"pid": os.getpid(), "lock": multiprocessing.Lock(), "setups": 1, **spec}
+
+
+def _work(item, state: dict, bar):
+    """``("square", x)``, ``("sleep", s)``, ``("fail", _)`` or ``("die", _)``; each started item leaves a file
+    named for its worker's pid in ``state["pids"]`` (when set)."""
+    if state.get("pids"):
+        (Path(state["pids"]) / str(os.getpid())).touch()
+    kind, x = item
+    bar.update(2)
+    if kind == "sleep":
+        time.sleep(x)
+    elif kind == "fail":
+        raise ValueError(f"bad item {x}")
+    elif kind == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * x, state["pid"], state["setups"]
+
+
+def _label(item) -> str:
+    return f"item {item[0]} {item[1]}"
+
+
+def test_two_batches_keep_their_order_and_one_setup_per_worker():
+    bar = Progress(total=0, disable=True)
+    with Pool(2, _work, _setup, {}, bar=bar, label=_label) as pool:
+        first = pool.run([("sleep", 0.3), ("square", 2), ("square", 3)])
+        seen: list[int] = []
+        second = pool.run([("square", 4), ("square", 5)], on_result=lambda i, r: seen.append(i))
+        procs = list(pool.procs)
+    assert [r[0] for r in first] == [0.09, 4, 9] and [r[0] for r in second] == [16, 25]
+    assert sorted(seen) == [0, 1]
+    pids = {r[1] for r in first + second}
+    assert pids <= {p.pid for p in procs} and all(r[2] == 1 for r in first + second)
+    assert bar.n == 2 * 5  # every item's steps reached the parent's bar
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    ("items", "spec", "where", "cause"),
+    [
+        ([("sleep", 60), ("fail", 7)], {}, "item fail 7", "ValueError: bad item 7"),
+        ([("sleep", 60), ("die", 1)], {}, "item die 1", f"exited with code {-signal.SIGKILL}"),
+        ([("square", 1)], {"fail_setup": True}, START_UP, "RuntimeError: no model here"),
+    ],
+)
+def test_a_failure_stops_every_worker_and_names_the_item(items, spec, where, cause):
+    with pytest.raises(WorkerFailed) as exc, Pool(2, _work, _setup, spec, label=_label) as pool:
+        pool.run(items)
+    assert exc.value.item == where and cause in str(exc.value)
+    assert exc.value.worker in (0, 1) and str(exc.value).startswith(f"worker {exc.value.worker} failed at")
+    assert not any(p.is_alive() for p in pool.procs) and not multiprocessing.active_children()
+
+
+def scenario(pids: str, fail: bool) -> None:
+    """A parent for the tests below: two workers asleep in an item; with ``fail``, one wakes and fails the
+    next item while the other sleeps on."""
+    items = [("sleep", 120), ("sleep", 0.5), ("fail", 3)] if fail else [("sleep", 120), ("sleep", 120)]
+    with Pool(2, _work, _setup, {"pids": pids}, label=_label) as pool:
+        pool.run(items)
+
+
+def _start(tmp_path: Path, fail: bool = False) -> tuple[subprocess.Popen, Path]:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    code = f"from tests.test_pool import scenario; scenario({str(pids)!r}, {fail})"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    return proc, pids
+
+
+def _workers(pids: Path, count: int) -> list[int]:
+    """The workers' pids once ``count`` items have started (one file per worker)."""
+    for _ in range(600):
+        found = [int(p.name) for p in pids.iterdir()]
+        if len(found) >= count:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{count} items never started")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_a_real_run_leaks_no_semaphore(tmp_path):
+    proc, pids = _start(tmp_path, fail=True)
+    _, err = proc.communicate(timeout=100)  # its stderr closes once the workers and the tracker are gone too
+    assert proc.returncode == 1
+    assert "WorkerFailed: worker" in err and "failed at item fail 3: ValueError: bad item 3" in err
+    assert "leaked" not in err and all(_gone(pid) for pid in _workers(pids, 2))
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_leaves_no_worker_and_no_leaked_semaphore(tmp_path):
+    proc, pids = _start(tmp_path)
+    workers = _workers(pids, 2)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert "leaked" not in err and all(_gone(pid) for pid in workers)
+
+
+@pytest.mark.timeout(120)
+def test_workers_stop_when_their_parent_is_killed(tmp_path):
+    proc, pids = _start(tmp_path)
+    workers = _workers(pids, 2)
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to stop them
+    _, err = proc.communicate(timeout=100)  # returns once every worker closed its stderr: they exited
+    assert proc.returncode == -signal.SIGKILL
+    assert "leaked" not in err and all(_gone(pid) for pid in workers)

@@ -83,7 +83,7 @@ class DecodeCore:
             n, pool.block_size, AdmissionPolicy.from_config(pool.admission, pool.watermark, n)
         )
         return cls(
-            ModelRunner(model, cache) if model is not None else None,
+            ModelRunner(model, cache, pool.batch_invariant) if model is not None else None,
             blocks,
             cache,
             pool.max_batch,

@@ -85,20 +85,38 @@ class PagedBatch:
 
 
 class ModelRunner:
-    """Runs batched single-token decode steps of a LLaVA model's language model."""
+    """Runs batched single-token decode steps of a LLaVA model's language model.
 
-    def __init__(self, model, cache: KVCache) -> None:
+    ``batch_invariant``: each sequence's step runs as a batch of one (``PoolConfig.batch_invariant``), so
+    its logits are the ones it would get decoding alone, whatever else is in the batch: a matmul's rounding
+    depends on its row count (bfloat16 most visibly), which can flip a greedy token under load.
+    """
+
+    def __init__(self, model, cache: KVCache, batch_invariant: bool = False) -> None:
         use_vlkv_attention(model)
         self.model = model
         self.lm = language_model(model)
         self.cache = cache
         self.device = cache.device
+        self.batch_invariant = batch_invariant
         self.last_mass: torch.Tensor | None = None
 
-    @torch.inference_mode()
     def step(self, batch: list[StepInput], mass: bool = False) -> torch.Tensor:
         """Feed one token per sequence; returns next-token logits ``[S, vocab]`` in fp32. ``mass``: also
         leave each layer's per-token attention mass in ``last_mass`` ``[S, L, max_blocks * P]`` (CPU)."""
+        if not self.batch_invariant or len(batch) == 1:
+            return self._step(batch, mass)
+        logits, masses = [], []
+        for seq in batch:
+            logits.append(self._step([seq], mass))
+            masses.append(self.last_mass)
+        if mass:  # each sequence's mass is as wide as its own blocks: pad to the batch's widest
+            width = max(m.shape[-1] for m in masses)
+            self.last_mass = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for m in masses])
+        return torch.cat(logits)
+
+    @torch.inference_mode()
+    def _step(self, batch: list[StepInput], mass: bool) -> torch.Tensor:
         num_layers = len(batch[0].tables)
         max_blocks = max(len(t) for s in batch for t in s.tables)
         rows = [t + [-1] * (max_blocks - len(t)) for s in batch for t in s.tables]  # one tensor, not S x L

@@ -45,6 +45,7 @@ def _server_config(args) -> ServerConfig:
             decode_budget=args.decode_budget,
             decode_window=args.decode_window,
             prompt_weight=args.prompt_weight,
+            batch_invariant=args.batch_invariant,
         ),
         queue=QueueConfig(max_waiting=args.max_waiting),
         transfer=TransferConfig(
@@ -90,6 +91,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mb", type=float, default=256, help="KV pool size of each decode worker (MiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one decode step")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="decode each sequence as a batch of one: its tokens do not depend on what else is decoding "
+        "(bfloat16/float16 round differently with the batch size), at the cost of throughput",
+    )
     p.add_argument(
         "--admission",
         default="grow",
@@ -697,6 +704,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")
     p.add_argument("--concurrency", type=int, default=8, help="--api: requests in flight")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="--api: serve with `vlkv serve --batch-invariant` (each sequence decoded as a batch of one) and "
+        "decode the in-process side one cache at a time, so both sides decode alone at any --concurrency",
+    )
     p.add_argument(
         "--dtype",
         default="",

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import grpc
 from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.common.config import ModelConfig, ServerConfig
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.deploy.servers import (
@@ -186,8 +186,10 @@ def run_api_check(args) -> int:
     profile = read_profile(profile_path) if profile_path else None
     target, model, processor = _target(args)
     # without --compression-profile no profile is served (not even one beside the checkpoint)
+    batch_invariant = bool(getattr(args, "batch_invariant", False))
     cfg = ServerConfig(
         model=ModelConfig(path=target.model_dir, dtype=target.dtype),
+        pool=PoolConfig(batch_invariant=batch_invariant),
         compression_profile=profile_path or "none",
     )
     runs = _runs(args, profile)
@@ -197,8 +199,9 @@ def run_api_check(args) -> int:
     start = time.perf_counter()
     prepared = prepare(model, processor, examples, progress=True, task=task, next_attention=False)
     # bfloat16 decoding is not batch-invariant: a greedy token can change with the batch it is decoded in
-    # (the served decode worker batches the requests in flight); --concurrency 1 decodes both sides alone
-    one_by_one = args.concurrency == 1
+    # (the served decode worker batches the requests in flight); --concurrency 1 decodes both sides alone,
+    # and so does --batch-invariant at any concurrency (the decode worker steps each sequence alone)
+    one_by_one = args.concurrency == 1 or batch_invariant
     local, default = _in_process(
         model, processor, prepared, runs, target.max_new_tokens, profile is not None, one_by_one
     )

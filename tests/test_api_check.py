@@ -58,9 +58,9 @@ def _rows(md: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "name, file, flags",  # concurrency 1: both sides decode each answer alone (bfloat16 is not batch-invariant)
+    "name, file, flags",  # bfloat16 is not batch-invariant: --batch-invariant decodes both sides alone
     [
-        ("text:niah_single_1", "text_niah_single_1", ["--concurrency", "1"]),
+        ("text:niah_single_1", "text_niah_single_1", ["--concurrency", "2", "--batch-invariant"]),
         ("text:niah_single_1", "text_niah_single_1", ["--concurrency", "2", "--dtype", "float32"]),
         ("smol_objects", "smol_objects", ["--concurrency", "2"]),
     ],
@@ -73,6 +73,7 @@ def test_a_member_is_asked_through_the_api_and_its_answers_compared(tmp_path, na
         flags[flags.index("--dtype") + 1] if "--dtype" in flags else "bfloat16" if ":" in name else "float32"
     )
     assert md.splitlines()[0].endswith(f", {dtype})")  # both sides ran in it
+    assert ("--batch-invariant`" in md) == ("--batch-invariant" in flags)
     rows = _rows(md)
     assert [r.split(" | ")[0] for r in rows] == ["| full", "| vlcache 5%"]
     assert all(r.endswith("| 0/2 | 0/2 |") for r in rows)

@@ -12,7 +12,9 @@ member (``tools/zoo``; a real-decoder member is assembled on first use) or ``tex
 the real-text suite on SmolLM2-135M-Instruct (``zoo_text.TextTask``, 1,024 tokens unless given), served in
 bfloat16 as ``vlkv eval --zoo`` scores it (``vlkv serve --model DIR --dtype bfloat16``; ``--dtype`` serves and
 scores both sides in another dtype: bfloat16 decoding is not batch-invariant, ``--dtype float32`` with
-``--concurrency`` above 1 checks the batched served path without bfloat16's rounding). Each question is
+``--concurrency`` above 1 checks the batched served path without bfloat16's rounding; ``--batch-invariant``
+serves with ``vlkv serve --batch-invariant``, each sequence decoded as a batch of one, and decodes the
+in-process side one cache at a time, so bfloat16 is compared at any concurrency). Each question is
 the example's one user turn, sent as ``vlkv generate --chat`` sends it (``build_request(question=...)``).
 
 ``--compression-profile PATH`` (a ``vlkv calibrate`` profile of this model, in this dtype) checks the profile
@@ -246,6 +248,8 @@ def _markdown(args, target: Target, rows, profile, profile_path: str, wall: floa
     what = f"--compression-profile {profile_path}" if profile is not None else f"--policy {args.policy}"
     member = f" --member {target.name}" if target.name else ""
     dtype = f" --dtype {args.dtype}" if getattr(args, "dtype", "") else ""
+    dtype += f" --concurrency {args.concurrency}"
+    dtype += " --batch-invariant" if getattr(args, "batch_invariant", False) else ""
     md = [
         f"# Accuracy through the public gRPC API ({target.name or 'the default model'}, {n} examples of split "
         f"{split}, {target.dtype})",

@@ -204,7 +204,8 @@ class Pool:
     def _receive(self, w: int, items) -> tuple | None:
         """Worker ``w``'s next message; None when it has none yet; ``WorkerFailed`` for an error or a death."""
         conn, proc = self.conns[w], self.procs[w]
-        where = self.label(items[self.flight[w]]) if w in self.flight else START_UP
+        where = START_UP if w not in self.ready else "no item (idle)"
+        where = self.label(items[self.flight[w]]) if w in self.flight else where
         try:
             if conn.poll():
                 message = conn.recv()

@@ -43,6 +43,7 @@ from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.tools.calibrate_answers import answer_recall, free_run, generation_suffix, question_of
 from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, policy_stats, prepare
@@ -136,11 +137,18 @@ class Calibration:
         ]
 
 
-def _ranked(rows: list[dict], budget: float) -> list[dict]:
-    """The rows at ``budget`` best first: the highest agreement, ties to the lower KL, then the grid's order."""
+def _ranked(rows: list[dict], budget: float, by_recall: bool = False) -> list[dict]:
+    """The rows at ``budget`` best first: the highest agreement, ties to the lower KL, then the grid's order.
+    ``by_recall``: the rows with an answer recall (``--rerank``'s set) first, by the highest recall, then as
+    before; the others after them."""
     order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
     mine = [r for r in rows if r["budget"] == budget]
-    return sorted(mine, key=lambda r: (-r["agreement"], r["kl"], order[r["candidate"]]))
+
+    def key(r):
+        first = (0, -r["recall"]) if by_recall and "recall" in r else (1, 0.0)
+        return (*first, -r["agreement"], r["kl"], order[r["candidate"]])
+
+    return sorted(mine, key=key)
 
 
 def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
@@ -149,11 +157,24 @@ def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
     return {b: {r["candidate"] for r in _ranked(rows, b)[:keep]} | {CANDIDATES[0][0]} for b in budgets}
 
 
-def best_per_budget(rows: list[dict], budgets) -> list[ProfileEntry]:
-    """Per budget the best row (``_ranked``) among the rows measured on every prompt."""
-    entries = []
+def rerank_set(rows: list[dict], budgets, k: int) -> dict[float, set[str]]:
+    """Per budget the candidates whose free-running answers ``--rerank k`` decodes: the ``k`` best by
+    agreement (``_ranked``, among the rows measured on every prompt) and the default."""
+    out = {}
     for b in budgets:
         ranked = _ranked(rows, b)
+        most = max(r.get("prompts", 0) for r in ranked)
+        best = [r["candidate"] for r in ranked if r.get("prompts", 0) == most][:k]
+        out[b] = set(best) | {CANDIDATES[0][0]}
+    return out
+
+
+def best_per_budget(rows: list[dict], budgets, by_recall: bool = False) -> list[ProfileEntry]:
+    """Per budget the best row (``_ranked``, by answer recall first with ``by_recall``) among the rows
+    measured on every prompt."""
+    entries = []
+    for b in budgets:
+        ranked = _ranked(rows, b, by_recall)
         most = max(r.get("prompts", 0) for r in ranked)  # after a screening: only the rows measured on all
         best = next(r for r in ranked if r.get("prompts", 0) == most)
         entries.append(ProfileEntry(b, best["candidate"], policy_from_dict(best["policy"])))
@@ -219,24 +240,28 @@ def measure_chunk(
         if active is None or label in active[b]
     ]
     for i, p in enumerate(prepared):
-        _share_draft(p, [policy for _, policy, _ in keys], budgets)
-        caches, slot, seen = [], [], {}  # slot[j]: the cache of keys[j]
-        for _, policy, b in keys:
-            stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
-            cache = policy.compress(
-                stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token
-            )
-            # two candidates that keep the same positions hold the same cache: decode it once
-            kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
-            if kept not in seen:
-                seen[kept] = len(caches)
-                caches.append(cache)
-            slot.append(seen[kept])
+        caches, slot = _candidate_caches(p, keys, budgets)
         scores = _agreement(model, caches, ref[i], ref_logp[i])
         if out.trace is not None:
             out.trace.append({})
         for (label, _, b), c in zip(keys, slot, strict=True):
             out.add((label, b), *scores[c])
+
+
+def _candidate_caches(p, keys, budgets) -> tuple[list, list[int]]:
+    """``p`` compressed by every (label, policy, budget) of ``keys``: the distinct caches and, per key, the
+    index of its cache (two candidates that keep the same positions hold the same cache: decoded once)."""
+    _share_draft(p, [policy for _, policy, _ in keys], budgets)
+    caches, slot, seen = [], [], {}
+    for _, policy, b in keys:
+        stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
+        cache = policy.compress(stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token)
+        kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
+        if kept not in seen:
+            seen[kept] = len(caches)
+            caches.append(cache)
+        slot.append(seen[kept])
+    return caches, slot
 
 
 def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> list[tuple[float, float]]:
@@ -252,6 +277,63 @@ def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> l
         kl = float((logp.exp() * (logp - logq)).sum(-1).mean())
         out[c] = (agree, kl)
     return out
+
+
+def recall_chunk(model, tokenizer, suffix: str, prepared, prompts, budgets, tokens: int, chosen):
+    """Per prompt of the chunk, ``{(candidate, budget): answer recall}`` for the candidates ``chosen[budget]``:
+    the full caches and every chosen candidate's (distinct) caches decoded free-running together, each
+    answer compared with its prompt's full-cache answer (``calibrate_answers.py``)."""
+    keys = [(label, policy_from_dict(d), b) for label, d in CANDIDATES for b in budgets if label in chosen[b]]
+    caches = [
+        get_policy("full").compress(
+            None, p.keys, p.values, alpha=1.0, m=p.m, tau=p.tau, first_token=p.first_token
+        )
+        for p in prepared
+    ]
+    spans = []
+    for p in prepared:
+        mine, slot = _candidate_caches(p, keys, budgets)
+        spans.append((len(caches), slot))
+        caches += mine
+    engine = _engine(model, caches, tokens)
+    answers = free_run(engine, caches, tokens, engine.spec.eos_token_ids)
+    texts = [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
+    out = []
+    for i, (at, slot) in enumerate(spans):
+        question = question_of(prompts[i], suffix)
+        out.append(
+            {
+                (label, b): answer_recall(texts[i], texts[at + c], question)
+                for (label, _, b), c in zip(keys, slot, strict=True)
+            }
+        )
+    return out
+
+
+def rerank_answers(
+    model_dir, dtype, requests, rows, budgets, tokens: int, k: int, chunk: int = 8, answers=None
+):
+    """``--rerank k``: per budget the ``k`` best rows by agreement and the default (``rerank_set``) decoded
+    free-running on every prompt; returns their mean answer recall per (candidate, budget). ``answers``: a
+    list that gets each prompt's ``{"candidate|budget": recall}``."""
+    chosen = rerank_set(rows, budgets, k)
+    model = load_model(ModelConfig(path=model_dir, dtype=dtype))
+    processor = load_processor(model_dir)
+    suffix = generation_suffix(processor)
+    examples = list(_examples(requests, processor, Limits()))
+    sums: dict[tuple[str, float], float] = {}
+    for at in track(range(0, len(examples), chunk), desc="rerank", unit="chunk"):
+        part = examples[at : at + chunk]
+        prepared = prepare(model, processor, part, progress=False, task=_RenderedTask, next_attention=False)
+        prompts = [e.prompt for e in part]
+        for one in recall_chunk(
+            model, processor.tokenizer, suffix, prepared, prompts, budgets, tokens, chosen
+        ):
+            for key, value in one.items():
+                sums[key] = sums.get(key, 0.0) + value
+            if answers is not None:
+                answers.append({f"{label}|{b:g}": v for (label, b), v in one.items()})
+    return {key: total / len(examples) for key, total in sums.items()}
 
 
 def chunk_phases(n: int, cut: int, chunk: int) -> list[list[tuple[int, int]]]:
@@ -293,13 +375,16 @@ def calibrate(
     keep: int = 4,
     trace: str = "",
     jobs: int = 1,
+    rerank: int = 0,
 ) -> tuple[Path, CompressionProfile, float]:
     """Run the calibration; returns the profile's path, the profile and the seconds it took.
 
     screen: successive halving: every candidate on the first ``screen`` prompts, then per budget only the
     ``keep`` best so far and the default on the rest (0: every candidate on every prompt). trace: write every
     prompt's agreement and KL per (candidate, budget) there as JSON lines. jobs: worker processes sharing the
-    chunks (``calibrate_jobs.py``; the same table as one process)."""
+    chunks (``calibrate_jobs.py``; the same table as one process). rerank: per budget the ``rerank`` best by
+    agreement and the default decoded free-running afterwards (in this process), ranked by their answer recall
+    first (``calibrate_answers.py``; 0: off); the trace's rows for them get the recall as a third number."""
     start = time.perf_counter()
     budgets = tuple(sorted(float(b) for b in budgets))
     if not budgets or any(not 0.0 < b < 1.0 for b in budgets):
@@ -308,8 +393,8 @@ def calibrate(
         raise ValueError("tokens must be >= 2 (the first is the prefill's, the same for every cache)")
     if screen < 0 or keep < 1:
         raise ValueError(f"screen must be >= 0 and keep >= 1, got {screen} and {keep}")
-    if jobs < 1 or chunk < 1:
-        raise ValueError(f"jobs and chunk must be >= 1, got {jobs} and {chunk}")
+    if jobs < 1 or chunk < 1 or rerank < 0:
+        raise ValueError(f"jobs and chunk must be >= 1 and rerank >= 0, got {jobs}, {chunk} and {rerank}")
     requests, digest = read_prompts(prompts)
     requests = requests[:max_prompts] if max_prompts else requests
     result = Calibration(trace=[] if trace else None)
@@ -327,11 +412,21 @@ def calibrate(
     measure = {"tokens": tokens, "threshold": THRESHOLD, "candidates": len(CANDIDATES)}
     if active is not None:
         measure.update(screen=cut, keep=keep)
+    if rerank:
+        answers: list[dict[str, float]] = []
+        recall = rerank_answers(model_dir, dtype, requests, rows, budgets, tokens, rerank, chunk, answers)
+        for r in rows:
+            if (r["candidate"], r["budget"]) in recall:
+                r["recall"] = round(recall[(r["candidate"], r["budget"])], 6)
+        for per_prompt, one in zip(result.trace or [], answers, strict=False):
+            for key, value in one.items():
+                per_prompt[key].append(value)
+        measure.update(rerank=rerank)
     profile = CompressionProfile(
         model={"fingerprint": fingerprint, "path": str(Path(model_dir).resolve()), "dtype": dtype},
         prompts={"digest": digest, "count": len(requests), "file": Path(prompts).name},
         measure=measure,
-        entries=best_per_budget(rows, budgets),
+        entries=best_per_budget(rows, budgets, by_recall=bool(rerank)),
         table=rows,
     )
     path = Path(out) if out else Path(model_dir) / PROFILE_FILENAME
@@ -344,20 +439,25 @@ def calibrate(
 def format_table(profile: CompressionProfile) -> str:
     """The agreement table as markdown: a row per candidate, per budget the share of prompts whose whole answer
     was reproduced (``exact``; left out for a profile written before it was measured) / agreement / KL, the
-    choice starred, the prompts a row was measured on when a screening cut it (``--screen``)."""
+    choice starred, the prompts a row was measured on when a screening cut it (``--screen``); with ``--rerank``,
+    first the answer recall of the rows decoded free-running (``-`` for the others)."""
     budgets = profile.budgets
     count = profile.prompts.get("count", 0)
     chosen = {(e.candidate, e.budget) for e in profile.entries}
     exact = all("exact" in r for r in profile.table)
+    recall = any("recall" in r for r in profile.table)
     cells: dict[str, dict[float, str]] = {}
     for r in profile.table:
         star = " *" if (r["candidate"], r["budget"]) in chosen else ""
         screened = f" ({r['prompts']} prompts)" if r.get("prompts", count) < count else ""
         whole = f"{r['exact']:.2f} / " if exact else ""
+        if recall:
+            whole = (f"{r['recall']:.2f} / " if "recall" in r else "- / ") + whole
         cells.setdefault(r["candidate"], {})[r["budget"]] = (
             f"{whole}{r['agreement']:.3f} / {r['kl']:.3f}{star}{screened}"
         )
     what = "exact / agreement / KL" if exact else "agreement / KL"
+    what = f"recall / {what}" if recall else what
     head = "| candidate | " + " | ".join(f"{b:g}: {what}" for b in budgets) + " |"
     lines = [head, "|" + " --- |" * (len(budgets) + 1)]
     lines += [f"| {c} | " + " | ".join(v.get(b, "") for b in budgets) + " |" for c, v in cells.items()]

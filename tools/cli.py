@@ -492,6 +492,7 @@ def cmd_calibrate(args) -> int:
             keep=args.keep,
             trace=args.trace,
             jobs=args.jobs,
+            rerank=args.rerank,
         )
     except WorkerFailed as err:  # its traceback, then which prompts and why
         print(f"calibrate worker {err.worker}:\n{err.error}", file=sys.stderr)
@@ -825,6 +826,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--trace", default="", help="write each prompt's agreement and KL per candidate (JSON lines)"
+    )
+    p.add_argument(
+        "--rerank",
+        type=int,
+        default=0,
+        help="per budget decode the K best by agreement and the default free-running and rank them by answer "
+        "recall first: the share of the full cache's answer words the question does not give found in theirs "
+        "(0: off)",
     )
     p.add_argument("--dtype", default="float32", help="the dtype the model will be served in (fingerprinted)")
     p.add_argument("--out", default="", help="where to write (default: <model>/compression_profile.json)")

@@ -29,8 +29,8 @@ PROFILE_FORMAT = "vlkv.compression_profile"
 PROFILE_VERSION = 1
 PROFILE_FILENAME = "compression_profile.json"
 _TOP_KEYS = ("format", "version", "model", "prompts", "measure", "entries", "table")
-# exact, prompts: optional
-_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "exact", "prompts", "policy")
+# exact, prompts, recall: optional
+_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "exact", "recall", "prompts", "policy")
 
 
 @dataclass
@@ -50,7 +50,8 @@ class CompressionProfile:
     """model: ``{"fingerprint": ..., ...}`` (path, dtype: informative); prompts: ``{"digest": sha256,
     "count": n, ...}``; measure: how agreement was measured (``{"tokens": N}``); entries: the choice per
     budget, ascending; table: one row per candidate and budget (``_ROW_KEYS``; ``exact``: the share of prompts
-    whose whole answer the candidate reproduced, absent in profiles written before it was measured)."""
+    whose whole answer the candidate reproduced, absent in profiles written before it was measured; ``recall``:
+    the free-running answer recall, ``vlkv calibrate --rerank``'s rows only)."""
 
     model: dict[str, Any]
     prompts: dict[str, Any]
@@ -159,6 +160,8 @@ def profile_from_dict(data: Any, label: str = "") -> CompressionProfile:
             _number(row.get(key), f"compression profile: table[{i}].{key}")
         if "exact" in row:  # absent in a profile written before it was measured
             _number(row["exact"], f"compression profile: table[{i}].exact", 0.0, 1.0)
+        if "recall" in row:  # only the rows --rerank decoded free-running
+            _number(row["recall"], f"compression profile: table[{i}].recall", 0.0, 1.0)
     entries.sort(key=lambda e: e.budget)
     return CompressionProfile(data["model"], data["prompts"], data["measure"], entries, table, label)
 

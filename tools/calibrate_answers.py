@@ -1,0 +1,83 @@
+"""``vlkv calibrate --rerank K``: **answer recall**, a label-free measure on free-running answers.
+
+Teacher forcing (``calibrate.py``) compares a compressed cache against the full cache's own words: a cache
+that rewords the answer ("The answer to this puzzle is: 92736." where the full cache says "The number of
+Yara is 92736.") disagrees at the first word yet carries the value, and a cache that echoes the words but
+invents the value agrees on most positions (#38, ``needle`` at 2%). Here every cache decodes greedily on
+its own (the decode core, ``InProcessEngine.decode_caches``, as many tokens as the reference and its end
+token), and what is compared is the content the full cache's answer took from the context:
+
+* the **question** is the last non-empty line of the prompt's last turn: the rendered prompt without the
+  chat template's generation suffix (what the template appends after a user turn's text, found by
+  rendering a marker; none for a plain prompt);
+* the **retrieved words** are the lower-cased ``\\w+`` words of the full cache's answer that the question
+  does not contain (the value, a name the question did not give); the words the question already gives
+  ("the", "number of Yara") are no evidence that anything was retrieved;
+* a candidate's **answer recall** on a prompt is the share of those words found in its own free-running
+  answer; when the full answer has none, 1.0 if its normalized answer (the words, joined by one space)
+  equals the full cache's, else 0.0. The table's column is the mean over prompts.
+
+No dataset answer is used: the reference is the full cache's own answer.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vlkv.common.sampling import SamplingConfig
+
+_WORD = re.compile(r"\w+")
+_MARK = "\x00vlkv-question\x00"
+
+
+def words(text: str) -> list[str]:
+    """The lower-cased ``\\w+`` words of ``text``, in order."""
+    return _WORD.findall(text.lower())
+
+
+def generation_suffix(processor) -> str:
+    """What the chat template appends after a user turn's text (its end and the assistant's header): the
+    rendering of a one-marker user turn after the marker; "" without a chat template."""
+    try:
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": _MARK}]}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+    except Exception:  # noqa: BLE001 - no template (a plain-prompt checkpoint): the prompt ends with its text
+        return ""
+    return text.split(_MARK, 1)[1] if _MARK in text else ""
+
+
+def question_of(prompt: str, suffix: str = "") -> str:
+    """The prompt's question: the last non-empty line of its text before the generation ``suffix``."""
+    if suffix and prompt.endswith(suffix):
+        prompt = prompt[: -len(suffix)]
+    lines = [line for line in prompt.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def retrieved_words(full_answer: str, question: str) -> list[str]:
+    """The distinct words of the full cache's answer that the question does not contain, in order."""
+    asked = set(words(question))
+    out: list[str] = []
+    for w in words(full_answer):
+        if w not in asked and w not in out:
+            out.append(w)
+    return out
+
+
+def answer_recall(full_answer: str, answer: str, question: str) -> float:
+    """The share of ``retrieved_words(full_answer, question)`` found among ``answer``'s words; without
+    any, whole normalized-answer equality (1.0 or 0.0)."""
+    wanted = retrieved_words(full_answer, question)
+    if not wanted:
+        return float(words(answer) == words(full_answer))
+    got = set(words(answer))
+    return sum(w in got for w in wanted) / len(wanted)
+
+
+def free_run(engine, caches, tokens: int, eos_ids) -> list[list[int]]:
+    """Each cache's greedy answer, decoded together through the decode core: at most ``tokens`` tokens,
+    the prefill's included, ending at an end token (the reference decode's limits)."""
+    return engine.decode_caches(caches, SamplingConfig(max_new_tokens=tokens), eos_ids)

@@ -1,14 +1,17 @@
 """Do the workers give memory back after large inputs? (issue 33) Prints a table of resident memory.
 
     python -m vlkv.tools.bench.worker_memory [--model DIR] [--inputs 10] [--prefill-mb 60] [--transfer-mb 48]
+        [--settle-s 5] [--runs 1]
 
 Starts a prefill worker and a decode worker, each in its own process (real gRPC on loopback, the internal
 token drawn here), warms each up with a good request, then sends each ``--inputs`` large inputs it refuses:
 the prefill worker a Prefill whose ``pixel_values`` hold ``--prefill-mb`` MB of images under one vision span
 (44 images of the default model for 60 MB), the decode worker a TransferKV stream whose first data chunk holds
 ``--transfer-mb`` MB. It prints each worker's RSS at the start (after the warm-up), the highest seen while
-the inputs came, and the lowest over the ``--settle-s`` seconds after the last (``settled_rss``), plus the
-codes the inputs ended with. Runs on
+the inputs came, and the lowest over the ``--settle-s`` seconds after the last (``settled``), what it kept
+(after - start) split into anonymous memory (what the worker allocated: heap, arenas) and file-backed pages
+(libraries and files mapped), plus the codes the inputs ended with; with ``--runs N``, N runs on fresh
+workers and the min / median / max of each kept figure. Runs on
 older vlkv too (without an internal token where that version refuses one), for before/after figures.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -69,25 +73,53 @@ def _serve(kind: str, model: str, token: str, queue, stop) -> None:
     asyncio.run(main())
 
 
-def rss_bytes(pid: int) -> int:
+@dataclass(frozen=True)
+class Memory:
+    """A process's resident memory (``/proc/<pid>/status``): all of it, its anonymous part (heap, arenas,
+    stacks: what the process allocated) and its file-backed part (pages of the libraries and files it
+    mapped, which the kernel can drop and read again)."""
+
+    rss: int = 0
+    anon: int = 0
+    file: int = 0
+
+
+def memory(pid: int) -> Memory:
+    fields = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return Memory(fields["VmRSS"], fields.get("RssAnon", 0), fields.get("RssFile", 0))
+
+
+def rss_bytes(pid: int) -> int:
+    return memory(pid).rss
 
 
 @dataclass
 class Figures:
     worker: str
-    start: int = 0
+    start: Memory = Memory()
     peak: int = 0
-    after: int = 0
+    after: Memory = Memory()
     codes: dict = field(default_factory=dict)
 
     @property
     def kept(self) -> int:
-        return self.after - self.start
+        """Resident memory kept (after - start)."""
+        return self.after.rss - self.start.rss
+
+    @property
+    def kept_anon(self) -> int:
+        """Anonymous resident memory kept: what the worker allocated and still holds."""
+        return self.after.anon - self.start.anon
+
+    @property
+    def kept_file(self) -> int:
+        """File-backed resident memory gained (library and file pages first touched)."""
+        return self.after.file - self.start.file
 
 
 class Workers:
@@ -133,6 +165,9 @@ class Workers:
     def rss(self, kind: str) -> int:
         return rss_bytes(self.procs[kind].pid)
 
+    def memory(self, kind: str) -> Memory:
+        return memory(self.procs[kind].pid)
+
 
 def _good_prefill(processor, spec, decode: str, rid: str) -> worker_pb2.PrefillRequest:
     import io
@@ -149,15 +184,16 @@ def _good_prefill(processor, spec, decode: str, rid: str) -> worker_pb2.PrefillR
     return to_prefill_proto(req, decode)
 
 
-def settled_rss(rss, settle_s: float, every_s: float = 0.25) -> int:
-    """The lowest resident memory seen over ``settle_s`` seconds of quiet after the inputs: the worker's
-    heap trimmer gives memory back once the burst has settled (a check a second, ``common/heap.py``), so one
-    sample at a fixed moment races it; the lowest over the window is what the idle worker came back to."""
-    low = rss()
+def settled(sample, settle_s: float, every_s: float = 0.25) -> Memory:
+    """The sample with the lowest resident memory over ``settle_s`` seconds of quiet after the inputs: the
+    worker's heap trimmer gives memory back once the burst has settled (a check a second,
+    ``common/heap.py``), so one sample at a fixed moment races it; the lowest over the window is what the
+    idle worker came back to."""
+    low = sample()
     end = time.monotonic() + settle_s
     while time.monotonic() < end:
         time.sleep(every_s)
-        low = min(low, rss())
+        low = min(low, sample(), key=lambda m: m.rss)
     return low
 
 
@@ -228,13 +264,13 @@ def measure(
         }
         out = []
         for kind, send in sends.items():
-            f = Figures(kind, start=w.rss(kind))
-            f.peak = f.start
+            f = Figures(kind, start=w.memory(kind))
+            f.peak = f.start.rss
             for i in range(inputs):
                 code = _code(lambda: send(i))  # noqa: B023 - called at once
                 f.codes[code] = f.codes.get(code, 0) + 1
                 f.peak = max(f.peak, w.rss(kind))
-            f.after = settled_rss(lambda: w.rss(kind), settle_s)  # noqa: B023 - called at once
+            f.after = settled(lambda: w.memory(kind), settle_s)  # noqa: B023 - called at once
             out.append(f)
         return out
     finally:
@@ -244,14 +280,33 @@ def measure(
 def table(figures: list[Figures], inputs: int) -> str:
     mb = 1 << 20
     lines = [
-        f"| worker | RSS start (MiB) | peak (MiB) | after {inputs} inputs (MiB) | kept (MiB) | codes |",
-        "|---|---:|---:|---:|---:|---|",
+        f"| worker | RSS start (MiB) | peak (MiB) | after {inputs} inputs (MiB) | kept (MiB) | anonymous kept (MiB)"
+        " | file-backed kept (MiB) | codes |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for f in figures:
         codes = ", ".join(f"{k} x{v}" for k, v in sorted(f.codes.items()))
         lines.append(
-            f"| {f.worker} | {f.start / mb:.0f} | {f.peak / mb:.0f} | {f.after / mb:.0f} | {f.kept / mb:+.0f} | {codes} |"
+            f"| {f.worker} | {f.start.rss / mb:.0f} | {f.peak / mb:.0f} | {f.after.rss / mb:.0f} | {f.kept / mb:+.0f}"
+            f" | {f.kept_anon / mb:+.0f} | {f.kept_file / mb:+.0f} | {codes} |"
         )
+    return "\n".join(lines)
+
+
+def summary(runs: list[list[Figures]]) -> str:
+    """min / median / max of each worker's kept figures over ``runs`` (each one ``measure``'s answer)."""
+    mb = 1 << 20
+    lines = [
+        f"| worker (n={len(runs)} runs) | kept, min / median / max (MiB) | anonymous kept | file-backed kept |",
+        "|---|---:|---:|---:|",
+    ]
+    for i, worker in enumerate(f.worker for f in runs[0]):
+
+        def spread(attr: str) -> str:
+            xs = sorted(getattr(run[i], attr) / mb for run in runs)  # noqa: B023 - called at once
+            return f"{xs[0]:+.0f} / {statistics.median(xs):+.0f} / {xs[-1]:+.0f}"
+
+        lines.append(f"| {worker} | {spread('kept')} | {spread('kept_anon')} | {spread('kept_file')} |")
     return "\n".join(lines)
 
 
@@ -262,9 +317,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-mb", type=float, default=60)
     p.add_argument("--transfer-mb", type=float, default=48)
     p.add_argument("--settle-s", type=float, default=5.0)
+    p.add_argument("--runs", type=int, default=1, help="fresh workers each run; a summary table after")
     args = p.parse_args(argv)
-    figures = measure(args.model, args.inputs, args.prefill_mb, args.transfer_mb, args.settle_s)
-    print(table(figures, args.inputs))
+    runs = []
+    for r in range(args.runs):
+        runs.append(measure(args.model, args.inputs, args.prefill_mb, args.transfer_mb, args.settle_s))
+        print(f"run {r + 1}/{args.runs}\n{table(runs[-1], args.inputs)}", flush=True)
+    if args.runs > 1:
+        print(summary(runs))
 
 
 if __name__ == "__main__":

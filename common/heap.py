@@ -4,7 +4,9 @@ Workers keep MiB-sized buffers on the glibc heap on purpose (``grpc_transport.tu
 and trim thresholds, so KV chunks are not mmapped and unmapped one by one), which also means glibc keeps
 what a large request freed: a 60 MB message, its copies and the tensors built from it stay in the process
 after the request is gone, and grow with each further one. ``release_memory`` hands every arena's free pages
-back now; ``HeapTrimmer`` (one per worker process) does it in the background, off the event loop, whenever
+back now, but for the free top of each thread's arena, which glibc gives back only on a free that reaches it
+and only above the trim threshold (the workers set theirs to 4 MiB: at 32 MiB those tops were what a worker
+kept after a burst, up to 94 MiB); ``HeapTrimmer`` (one per worker process) does it in the background, off the event loop, whenever
 the heap's free bytes (``mallinfo2``, all arenas) or the process's resident memory grew by ``min_free_bytes``
 since the last trim, after a garbage collection where the bytes held grew as much. Elsewhere than glibc both
 do nothing.

@@ -33,7 +33,11 @@ from vlkv.services.router import Router
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-WORKER_TRIM_THRESHOLD = 32 << 20
+# A thread arena's free top above this goes back to the OS when a free reaches it; below it, it stays
+# resident for good (malloc_trim never trims thread arenas' tops). At 32 MiB the tops that a burst of large
+# inputs left kept 7-94 MiB in the workers after ten refused inputs (median 36 prefill, 68 decode, 12 runs);
+# at 4 MiB, see README "Security" (issue 33).
+WORKER_TRIM_THRESHOLD = 4 << 20
 
 
 def _service_name(pb2, name: str) -> str:

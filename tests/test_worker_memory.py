@@ -1,18 +1,23 @@
 """Workers give memory back (issue 33): after ten 60 MB inputs to the prefill worker and ten 48 MB TransferKV
-chunks to the decode worker, each refused, each worker's resident memory is within 150 MB of where it was
-before them (issue 33 asked for 100 MB: met in most runs, not in every one; see BOUND). Real worker processes on loopback (``tools/bench/worker_memory.py``, which also prints the
-figures: ``python -m vlkv.tools.bench.worker_memory``)."""
+chunks to the decode worker, each refused, each worker's resident memory is within 100 MB of where it was
+before them. Real worker processes on loopback (``tools/bench/worker_memory.py``, which also prints the
+figures, split into anonymous and file-backed memory: ``python -m vlkv.tools.bench.worker_memory``).
+
+What a worker keeps is anonymous memory (heap arenas), never file-backed pages: the warm-up (two whole
+requests) already touched the libraries' pages, and the file-backed part of what was kept was 0 MiB in every
+one of 24 runs (2026-11-27), so resident memory is the measure here and its anonymous part is checked too."""
 
 from __future__ import annotations
 
 import pytest
 from vlkv.tools.bench.worker_memory import measure, table
 
-BOUND = 150_000_000  # bytes kept at most, per worker
-# What a worker keeps after its heap trimmer has run does not grow with the inputs: 25-99 MB after 10 inputs
-# of 48-60 MB over 25 runs (2026-11-27), 46-92 MB after 30. A bound of 2.5 inputs still fails a worker that
-# keeps 3 of the 10; 100 MB sat on that residue's tail (failed 2 of ~6 CI runs at 100.7 and 103.5 MB). Where
-# the residue lives (not in bytes the allocator holds: mallinfo2's held stays flat) is not known yet.
+BOUND = 100_000_000  # bytes kept at most, per worker (issue 33)
+# Kept after ten inputs, 12 runs each (python -m vlkv.tools.bench.worker_memory --runs 12 --settle-s 8 on the
+# tiny llava-gqa model, 2026-11-27): with the workers' 32 MiB trim threshold, prefill 7 / 36 / 94 MiB
+# (min / median / max), decode 27 / 68 / 81 MiB: the free tops of glibc thread arenas, which malloc_trim never
+# trims and glibc gave back only above 32 MiB each; with 4 MiB (deploy/servers.WORKER_TRIM_THRESHOLD), prefill
+# 2 / 7 / 34 MiB, decode 1 / 9 / 68 MiB. A bound of 2 inputs still fails a worker that keeps 2 of the 10.
 
 
 @pytest.mark.timeout(600)
@@ -21,5 +26,6 @@ def test_rss_returns_after_ten_large_inputs_on_both_workers(tiny_model_dirs):
     print(table(figures, 10))
     for f in figures:
         assert set(f.codes) <= {"INVALID_ARGUMENT", "DATA_LOSS", "RESOURCE_EXHAUSTED"}, (f.worker, f.codes)
-        assert f.peak - f.start > 40_000_000, (f.worker, "the inputs did not reach the worker")
+        assert f.peak - f.start.rss > 40_000_000, (f.worker, "the inputs did not reach the worker")
         assert f.kept <= BOUND, (f.worker, f.kept)
+        assert f.kept_anon <= BOUND, (f.worker, f.kept_anon)

@@ -27,5 +27,6 @@ def test_rss_returns_after_ten_large_inputs_on_both_workers(tiny_model_dirs):
     for f in figures:
         assert set(f.codes) <= {"INVALID_ARGUMENT", "DATA_LOSS", "RESOURCE_EXHAUSTED"}, (f.worker, f.codes)
         assert f.peak - f.start.rss > 40_000_000, (f.worker, "the inputs did not reach the worker")
+        assert f.peak > f.start.hwm, (f.worker, "the peak is not the inputs'")
         assert f.kept <= BOUND, (f.worker, f.kept)
         assert f.kept_anon <= BOUND, (f.worker, f.kept_anon)

@@ -7,8 +7,8 @@ Starts a prefill worker and a decode worker, each in its own process (real gRPC 
 token drawn here), warms each up with a good request, then sends each ``--inputs`` large inputs it refuses:
 the prefill worker a Prefill whose ``pixel_values`` hold ``--prefill-mb`` MB of images under one vision span
 (44 images of the default model for 60 MB), the decode worker a TransferKV stream whose first data chunk holds
-``--transfer-mb`` MB. It prints each worker's RSS at the start (after the warm-up), the highest seen while
-the inputs came, and the lowest over the ``--settle-s`` seconds after the last (``settled``), what it kept
+``--transfer-mb`` MB. It prints each worker's RSS at the start (after the warm-up), the highest while the
+inputs came (sampled after each, and the kernel's high-water mark ``VmHWM``), and the lowest over the ``--settle-s`` seconds after the last (``settled``), what it kept
 (after - start) split into anonymous memory (what the worker allocated: heap, arenas) and file-backed pages
 (libraries and files mapped), plus the codes the inputs ended with; with ``--runs N``, N runs on fresh
 workers and the min / median / max of each kept figure. Runs on
@@ -77,11 +77,13 @@ def _serve(kind: str, model: str, token: str, queue, stop) -> None:
 class Memory:
     """A process's resident memory (``/proc/<pid>/status``): all of it, its anonymous part (heap, arenas,
     stacks: what the process allocated) and its file-backed part (pages of the libraries and files it
-    mapped, which the kernel can drop and read again)."""
+    mapped, which the kernel can drop and read again), and the highest resident memory it ever had
+    (``VmHWM``)."""
 
     rss: int = 0
     anon: int = 0
     file: int = 0
+    hwm: int = 0
 
 
 def memory(pid: int) -> Memory:
@@ -89,9 +91,9 @@ def memory(pid: int) -> Memory:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                 fields[key] = int(value.split()[0]) * 1024
-    return Memory(fields["VmRSS"], fields.get("RssAnon", 0), fields.get("RssFile", 0))
+    return Memory(fields["VmRSS"], fields.get("RssAnon", 0), fields.get("RssFile", 0), fields.get("VmHWM", 0))
 
 
 def rss_bytes(pid: int) -> int:
@@ -270,6 +272,9 @@ def measure(
                 code = _code(lambda: send(i))  # noqa: B023 - called at once
                 f.codes[code] = f.codes.get(code, 0) + 1
                 f.peak = max(f.peak, w.rss(kind))
+            # the kernel's high-water mark: a worker that gives memory back at once (a free over the trim
+            # threshold) is past its peak when the call returns
+            f.peak = max(f.peak, w.memory(kind).hwm)
             f.after = settled(lambda: w.memory(kind), settle_s)  # noqa: B023 - called at once
             out.append(f)
         return out

@@ -178,7 +178,7 @@ def run_ablation(args, model, processor, prepared, full_accuracy: float, start: 
         key = torch.zeros(num_layers)
         for p, ps in zip(prepared, pos, strict=True):
             stats = policy_stats(p, pol, 0.1)
-            kept = pol.plan(stats, p.keys, p.values, alpha=0.1, m=p.m, tau=p.tau)
+            kept = pol.plan(stats, p.keys, p.values, alpha=0.1, m=p.m, tau=p.tau, question=p.question)
             vset = set(ps.vision)
             for layer, idx in enumerate(kept):
                 flat = idx.flatten().tolist()

@@ -33,11 +33,6 @@ from vlkv.services.router import Router
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-# A thread arena's free top above this goes back to the OS when a free reaches it; below it, it stays
-# resident for good (malloc_trim never trims thread arenas' tops). At 32 MiB the tops that a burst of large
-# inputs left kept 7-94 MiB in the workers after ten refused inputs (median 36 prefill, 68 decode, 12 runs);
-# at 4 MiB, see README "Security" (issue 33).
-WORKER_TRIM_THRESHOLD = 4 << 20
 
 
 def _service_name(pb2, name: str) -> str:
@@ -80,8 +75,10 @@ def _load_worker(cfg: ServerConfig, model, processor=None, tokenizer=None):
     """The model (loaded unless given), its processor (loaded unless given; None when only a ``tokenizer``
     was given), its tokenizer and its ModelSpec, once per worker process."""
     # MiB-sized KV chunk buffers stay on the heap (see grpc_transport.tune_malloc); a thread's arena gives
-    # back a free top over WORKER_TRIM_THRESHOLD when it shrinks (malloc_trim never trims those tops).
-    tune_malloc(trim_threshold=WORKER_TRIM_THRESHOLD)
+    # back a free top over the trim threshold when it shrinks (malloc_trim never trims those tops). At 32 MiB
+    # the tops a burst of large inputs left kept 7-94 MiB in the workers after ten refused inputs (median 36
+    # prefill, 68 decode, 12 runs); at 4 MiB (the default), see README "Security" (issue 33).
+    tune_malloc(trim_threshold=cfg.malloc_trim_mb << 20)
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)
     if processor is None and tokenizer is None:

@@ -70,3 +70,20 @@ def test_growth_that_never_settles_trims_after_max_wait(trims):
 
 def test_resident_bytes_reads_this_process():
     assert heap.resident_bytes() > 1 * MB
+
+
+def test_workers_set_the_configured_trim_threshold(monkeypatch, tiny_model_dirs):
+    """``ServerConfig.malloc_trim_mb`` (``vlkv serve --malloc-trim-mb``) is what each worker hands glibc."""
+    from vlkv.common.config import ModelConfig, ServerConfig
+    from vlkv.common.errors import ConfigError
+    from vlkv.deploy import servers
+
+    seen = []
+    monkeypatch.setattr(servers, "tune_malloc", lambda **kw: seen.append(kw) or True)
+    path = tiny_model_dirs("llava-gqa")
+    for mb in (None, 32):
+        cfg = ServerConfig(model=ModelConfig(path=path), **({} if mb is None else {"malloc_trim_mb": mb}))
+        servers._load_worker(cfg, None)
+    assert [kw["trim_threshold"] for kw in seen] == [4 << 20, 32 << 20]
+    with pytest.raises(ConfigError, match="malloc_trim_mb"):
+        ServerConfig(model=ModelConfig(path=path), malloc_trim_mb=0)

@@ -16,7 +16,7 @@ BOUND = 100_000_000  # bytes kept at most, per worker (issue 33)
 # Kept after ten inputs, 12 runs each (python -m vlkv.tools.bench.worker_memory --runs 12 --settle-s 8 on the
 # tiny llava-gqa model, 2026-11-27): with the workers' 32 MiB trim threshold, prefill 7 / 36 / 94 MiB
 # (min / median / max), decode 27 / 68 / 81 MiB: the free tops of glibc thread arenas, which malloc_trim never
-# trims and glibc gave back only above 32 MiB each; with 4 MiB (deploy/servers.WORKER_TRIM_THRESHOLD), prefill
+# trims and glibc gave back only above 32 MiB each; with 4 MiB (ServerConfig.malloc_trim_mb, the default), prefill
 # 2 / 7 / 34 MiB, decode 1 / 9 / 68 MiB. A bound of 2 inputs still fails a worker that keeps 2 of the 10.
 
 

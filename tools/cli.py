@@ -57,6 +57,7 @@ def _server_config(args) -> ServerConfig:
         ),
         host=args.host,
         image_cache_mb=args.image_cache_mb,
+        malloc_trim_mb=args.malloc_trim_mb,
         compression_profile=getattr(args, "compression_profile", ""),
     )
 
@@ -156,6 +157,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-waiting", type=int, default=256, help="requests queued while no decode worker has room"
+    )
+    p.add_argument(
+        "--malloc-trim-mb",
+        type=int,
+        default=4,
+        help="glibc trim threshold in each worker (MiB): memory a burst of large requests left above it goes "
+        "back to the OS; raise it (e.g. 32) where hand-offs of whole uncompressed caches dominate",
     )
     p.add_argument(
         "--image-cache-mb",

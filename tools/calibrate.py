@@ -257,7 +257,9 @@ def _candidate_caches(p, keys, budgets) -> tuple[list, list[int]]:
     caches, slot, seen = [], [], {}
     for _, policy, b in keys:
         stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
-        cache = policy.compress(stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token)
+        cache = policy.compress(
+            stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token, question=p.question
+        )
         kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
         if kept not in seen:
             seen[kept] = len(caches)

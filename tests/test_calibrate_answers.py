@@ -14,7 +14,14 @@ from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.model.loading import load_processor
 from vlkv.tools.calibrate import CANDIDATES, best_per_budget, calibrate, format_table, rerank_set
-from vlkv.tools.calibrate_answers import answer_recall, generation_suffix, question_of, retrieved_words, words
+from vlkv.tools.calibrate_answers import (
+    answer_recall,
+    generation_suffix,
+    question_of,
+    rarity_weights,
+    retrieved_words,
+    words,
+)
 from vlkv.tools.calibrate_prompts import write_prompts
 from vlkv.tools.task import synthetic_task
 
@@ -64,6 +71,33 @@ def test_recall_is_the_share_of_retrieved_words_in_the_candidates_answer():
     assert answer_recall(full, "The secret number of Yara is 784.", q) == 0.0
     assert answer_recall("Codes 7042 and 5683.", "code 7042", "What is the code?") == pytest.approx(1 / 4)
     assert answer_recall("Codes 7042 and 5683.", "codes 7042 and 5683", "What?") == 1.0
+
+
+def test_a_word_the_prompt_repeats_weighs_less_than_one_it_gives_once():
+    prompt = "Ann has code 11. Bob has code 22. Cy has code 33. Ann is tall."
+    assert rarity_weights(["has", "ann", "bob", "zed"], prompt) == [1 / 4, 1 / 3, 1 / 2, 1.0]
+    assert rarity_weights(["has", "zed"], "") == [1.0, 1.0]
+    full, q = "Bob has 22.", "What is Bob's code?"  # retrieved: has (3 times in the prompt), 22 (once)
+    assert answer_recall(full, "22", q, prompt) == pytest.approx((1 / 2) / (1 / 4 + 1 / 2))
+    assert answer_recall(full, "has", q, prompt) == pytest.approx((1 / 4) / (1 / 4 + 1 / 2))
+    assert answer_recall(full, "22", q) == answer_recall(full, "has", q) == 0.5  # no prompt: unweighted
+
+
+def test_on_a_catalogue_the_description_without_the_code_scores_low():
+    colours = ["red", "green", "blue", "purple", "yellow"]
+    shapes = ["circle", "square", "cross", "star"]  # 20 lines, like smol_codes' catalogue
+    lines = [
+        f"The {c} {s} has code {1000 + 7 * i}."
+        for i, (c, s) in enumerate((c, s) for c in colours for s in shapes)
+    ]
+    prompt = "Here is the catalogue:\n" + "\n".join(lines) + "\nWhat is the code of the object in the image?"
+    q = question_of(prompt)
+    full = "The red circle has code 1000."  # retrieved: red (x4), circle (x5), has (x20), 1000 (once)
+    assert retrieved_words(full, q) == ["red", "circle", "has", "1000"]
+    described = answer_recall(full, "The red circle has code 1063.", q, prompt)
+    assert answer_recall(full, "The red circle has code 1063.", q) == 0.75  # unweighted: the description
+    assert described < 0.5 < answer_recall(full, "Code 1000.", q, prompt)
+    assert answer_recall(full, full, q, prompt) == 1.0
 
 
 def test_without_retrieved_words_recall_is_whole_normalized_answer_equality():

@@ -307,7 +307,7 @@ def recall_chunk(model, tokenizer, suffix: str, prepared, prompts, budgets, toke
         question = question_of(prompts[i], suffix)
         out.append(
             {
-                (label, b): answer_recall(texts[i], texts[at + c], question)
+                (label, b): answer_recall(texts[i], texts[at + c], question, prompts[i])
                 for (label, _, b), c in zip(keys, slot, strict=True)
             }
         )

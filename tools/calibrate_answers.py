@@ -13,9 +13,15 @@ token), and what is compared is the content the full cache's answer took from th
 * the **retrieved words** are the lower-cased ``\\w+`` words of the full cache's answer that the question
   does not contain (the value, a name the question did not give); the words the question already gives
   ("the", "number of Yara") are no evidence that anything was retrieved;
-* a candidate's **answer recall** on a prompt is the share of those words found in its own free-running
-  answer; when the full answer has none, 1.0 if its normalized answer (the words, joined by one space)
-  equals the full cache's, else 0.0. The table's column is the mean over prompts.
+* each retrieved word weighs by its **rarity in the prompt**, ``1 / (1 + n)`` with ``n`` its occurrences among
+  the rendered prompt's words: a word the context gives once (the value, ``92736``) weighs 1/2, one it
+  repeats on every line (``red``, ``has`` in a catalogue) little, one the prompt does not contain 1 (a word
+  of the image or the model's own phrasing: as much as before). A smoothed inverse frequency, label-free: a
+  word that occurs once says which line was read, a word that occurs everywhere does not;
+* a candidate's **answer recall** on a prompt is the weighted share of those words found in its own
+  free-running answer (the plain share without a prompt); when the full answer has none, 1.0 if its
+  normalized answer (the words, joined by one space) equals the full cache's, else 0.0. The table's column
+  is the mean over prompts.
 
 No dataset answer is used: the reference is the full cache's own answer.
 """
@@ -23,6 +29,7 @@ No dataset answer is used: the reference is the full cache's own answer.
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 from vlkv.common.sampling import SamplingConfig
 
@@ -67,14 +74,22 @@ def retrieved_words(full_answer: str, question: str) -> list[str]:
     return out
 
 
-def answer_recall(full_answer: str, answer: str, question: str) -> float:
-    """The share of ``retrieved_words(full_answer, question)`` found among ``answer``'s words; without
-    any, whole normalized-answer equality (1.0 or 0.0)."""
+def rarity_weights(wanted: list[str], prompt: str) -> list[float]:
+    """Each word's weight ``1 / (1 + n)``, ``n`` its occurrences among ``prompt``'s words (all 1 without one)."""
+    counts = Counter(words(prompt))
+    return [1.0 / (1 + counts[w]) for w in wanted]
+
+
+def answer_recall(full_answer: str, answer: str, question: str, prompt: str = "") -> float:
+    """The share of ``retrieved_words(full_answer, question)`` found among ``answer``'s words, each word
+    weighted by its rarity in ``prompt`` (``rarity_weights``; "" : every word 1); without any retrieved
+    word, whole normalized-answer equality (1.0 or 0.0)."""
     wanted = retrieved_words(full_answer, question)
     if not wanted:
         return float(words(answer) == words(full_answer))
     got = set(words(answer))
-    return sum(w in got for w in wanted) / len(wanted)
+    weights = rarity_weights(wanted, prompt)
+    return sum(wt for w, wt in zip(wanted, weights, strict=True) if w in got) / sum(weights)
 
 
 def free_run(engine, caches, tokens: int, eos_ids) -> list[list[int]]:

@@ -840,8 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="per budget decode the K best by agreement and the default free-running and rank them by answer "
-        "recall first: the share of the full cache's answer words the question does not give found in theirs "
-        "(0: off)",
+        "recall first: the share of the full cache's answer words the question does not give found in theirs, "
+        "each word weighted by its rarity in the prompt, 1/(1 + its count) (0: off)",
     )
     p.add_argument("--dtype", default="float32", help="the dtype the model will be served in (fingerprinted)")
     p.add_argument("--out", default="", help="where to write (default: <model>/compression_profile.json)")

@@ -18,6 +18,8 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import SamplingConfig
 
+from tests.test_text_presets import _stats  # statistics with given column sums
+
 # A ChatML-like layout on made-up ids: 1 = <|im_start|>, 2 = <|im_end|> (special), 9 = "\n", 7 = "user",
 # 8 = "assistant"; the template's tail after the message is <|im_end|> \n <|im_start|> assistant \n.
 NL, START, END, USER, ASSISTANT = 9, 1, 2, 7, 8
@@ -100,17 +102,6 @@ def test_question_option_serializes_and_is_checked():
     ):
         with pytest.raises(ValueError, match=message):
             policy_from_dict({"policy": "vlcache", **bad})
-
-
-def _stats(col_sum: torch.Tensor, rows: int) -> SimpleNamespace:
-    heads, m = col_sum.shape
-    return SimpleNamespace(
-        row_max=torch.zeros(heads, rows),
-        row_sumexp=torch.ones(heads, rows),
-        col_sum=col_sum,
-        below=torch.zeros(heads),
-        unmasked=torch.full((heads,), float(rows * m)),
-    )
 
 
 def test_question_preset_on_text_prompts_and_image_prompts_bitwise_unchanged():

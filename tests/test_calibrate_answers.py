@@ -41,6 +41,8 @@ def test_the_question_is_the_last_line_of_the_last_turn():
 
 def test_the_generation_suffix_comes_from_the_chat_template():
     class Chat:
+        chat_template = "<s>user: ...</u>"
+
         @staticmethod
         def apply_chat_template(messages, add_generation_prompt, tokenize):
             text = messages[0]["content"][0]["text"]

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import torch
 from vlkv.common.compression.presets import PRESETS
 from vlkv.common.compression.profile import PROFILE_FILENAME, CompressionProfile, ProfileEntry
-from vlkv.common.compression.registry import get_policy, policy_from_dict
+from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import Limits, ModelConfig
 from vlkv.common.model.inputs import decode_images, input_side
 from vlkv.common.model.loading import load_model, load_processor
@@ -49,7 +49,7 @@ from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.tools.calibrate_answers import answer_recall, free_run, generation_suffix, question_of
 from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
-from vlkv.tools.eval.evaluation import BLOCK_SIZE, policy_stats, prepare
+from vlkv.tools.eval.evaluation import BLOCK_SIZE, compress, compress_with, prepare
 from vlkv.tools.progress import progress as track
 
 DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
@@ -160,16 +160,19 @@ def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
     return {b: {r["candidate"] for r in _ranked(rows, b)[:keep]} | {CANDIDATES[0][0]} for b in budgets}
 
 
+def _measured_on_all(ranked: list[dict]) -> list[dict]:
+    """``ranked``'s rows measured on every prompt, in order (after a screening the others saw fewer)."""
+    most = max(r.get("prompts", 0) for r in ranked)
+    return [r for r in ranked if r.get("prompts", 0) == most]
+
+
 def rerank_set(rows: list[dict], budgets, k: int) -> dict[float, set[str]]:
     """Per budget the candidates whose free-running answers ``--rerank k`` decodes: the ``k`` best by
     agreement (``_ranked``, among the rows measured on every prompt) and the default."""
-    out = {}
-    for b in budgets:
-        ranked = _ranked(rows, b)
-        most = max(r.get("prompts", 0) for r in ranked)
-        best = [r["candidate"] for r in ranked if r.get("prompts", 0) == most][:k]
-        out[b] = set(best) | {CANDIDATES[0][0]}
-    return out
+    return {
+        b: {r["candidate"] for r in _measured_on_all(_ranked(rows, b))[:k]} | {CANDIDATES[0][0]}
+        for b in budgets
+    }
 
 
 def best_per_budget(rows: list[dict], budgets, by_recall: bool = False) -> list[ProfileEntry]:
@@ -177,9 +180,7 @@ def best_per_budget(rows: list[dict], budgets, by_recall: bool = False) -> list[
     measured on every prompt."""
     entries = []
     for b in budgets:
-        ranked = _ranked(rows, b, by_recall)
-        most = max(r.get("prompts", 0) for r in ranked)  # after a screening: only the rows measured on all
-        best = next(r for r in ranked if r.get("prompts", 0) == most)
+        best = _measured_on_all(_ranked(rows, b, by_recall))[0]
         entries.append(ProfileEntry(b, best["candidate"], policy_from_dict(best["policy"])))
     return entries
 
@@ -222,12 +223,7 @@ def measure_chunk(
 ) -> None:
     """Reference decode of the chunk's full caches, then every candidate x budget teacher-forced (``active``:
     only those candidates per budget)."""
-    full = [
-        get_policy("full").compress(
-            None, p.keys, p.values, alpha=1.0, m=p.m, tau=p.tau, first_token=p.first_token
-        )
-        for p in prepared
-    ]
+    full = [compress(p, "full", 1.0) for p in prepared]
     ref_logp: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prepared))}
 
     def keep_ref(rows, logits):
@@ -257,10 +253,7 @@ def _candidate_caches(p, keys, budgets) -> tuple[list, list[int]]:
     _share_draft(p, [policy for _, policy, _ in keys], budgets)
     caches, slot, seen = [], [], {}
     for _, policy, b in keys:
-        stats = policy_stats(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
-        cache = policy.compress(
-            stats, p.keys, p.values, alpha=b, m=p.m, tau=p.tau, first_token=p.first_token, question=p.question
-        )
+        cache = compress_with(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
         kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
         if kept not in seen:
             seen[kept] = len(caches)
@@ -289,12 +282,7 @@ def recall_chunk(model, tokenizer, suffix: str, prepared, prompts, budgets, toke
     the full caches and every chosen candidate's (distinct) caches decoded free-running together, each
     answer compared with its prompt's full-cache answer (``calibrate_answers.py``)."""
     keys = [(label, policy_from_dict(d), b) for label, d in CANDIDATES for b in budgets if label in chosen[b]]
-    caches = [
-        get_policy("full").compress(
-            None, p.keys, p.values, alpha=1.0, m=p.m, tau=p.tau, first_token=p.first_token
-        )
-        for p in prepared
-    ]
+    caches = [compress(p, "full", 1.0) for p in prepared]
     spans = []
     for p in prepared:
         mine, slot = _candidate_caches(p, keys, budgets)

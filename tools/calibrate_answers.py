@@ -31,10 +31,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from vlkv.common.model.question import render_around_message
 from vlkv.common.sampling import SamplingConfig
 
 _WORD = re.compile(r"\w+")
-_MARK = "\x00vlkv-question\x00"
 
 
 def words(text: str) -> list[str]:
@@ -43,17 +43,11 @@ def words(text: str) -> list[str]:
 
 
 def generation_suffix(processor) -> str:
-    """What the chat template appends after a user turn's text (its end and the assistant's header): the
-    rendering of a one-marker user turn after the marker; "" without a chat template."""
-    try:
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "text", "text": _MARK}]}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-    except Exception:  # noqa: BLE001 - no template (a plain-prompt checkpoint): the prompt ends with its text
-        return ""
-    return text.split(_MARK, 1)[1] if _MARK in text else ""
+    """What the chat template appends after a user turn's text (its end and the assistant's header), as
+    ``question.render_around_message`` renders it; "" without a chat template (the prompt ends with its
+    text)."""
+    rendered = render_around_message(processor)
+    return rendered[1] if rendered is not None else ""
 
 
 def question_of(prompt: str, suffix: str = "") -> str:

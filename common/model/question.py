@@ -41,7 +41,7 @@ class TurnLayout:
         stops = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(
             int(i) for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items() if added.special
         )
-        rendered = _render(tokenizer)
+        rendered = render_around_message(tokenizer)
         if rendered is None:
             return cls(breaks - stops, stops)
         before, after = rendered
@@ -51,13 +51,15 @@ class TurnLayout:
         return cls(breaks - stops, stops, tail, len(prefix) - 1 - last_stop)
 
 
-def _render(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text before and after a one-turn user message, or None without a template."""
-    if not getattr(tokenizer, "chat_template", None):
+def render_around_message(templated) -> tuple[str, str] | None:
+    """The chat template's text before and after a one-turn user message (its text a marker; the
+    generation prompt included), or None without a template. ``templated``: a tokenizer or a processor
+    (``apply_chat_template`` and ``chat_template``)."""
+    if not getattr(templated, "chat_template", None):
         return None
     for content in (_SENTINEL, [{"type": "text", "text": _SENTINEL}]):
         try:
-            text = tokenizer.apply_chat_template(
+            text = templated.apply_chat_template(
                 [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
             )
         except Exception:  # noqa: BLE001 - a template that wants the other content shape

@@ -223,7 +223,12 @@ def policy_stats(prep: Prepared, policy, budget: float, threshold: float = 0.01)
 
 
 def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:
-    policy = get_policy(policy_name, **params)
+    return compress_with(prep, get_policy(policy_name, **params), budget, threshold)
+
+
+def compress_with(prep: Prepared, policy, budget: float, threshold: float = 0.01) -> CompactKV:
+    """``prep`` compressed by a built ``policy`` as ``PrefillEngine.run`` compresses it: its statistics
+    (``policy_stats``), the first token and the question count handed over alike."""
     stats = policy_stats(prep, policy, budget, threshold)
     return policy.compress(
         stats,

@@ -7,6 +7,7 @@ run two pieces of work at once.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 
@@ -23,3 +24,11 @@ def parse_jobs(value: str | int | None) -> int:
     if jobs < 1:
         raise ValueError(f"--jobs must be auto or >= 1, got {value!r}")
     return jobs
+
+
+def jobs_flag(value: str) -> int:
+    """``--jobs`` as an argparse type, so a bad value is reported as a usage error."""
+    try:
+        return parse_jobs(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto or a count >= 1, got {value!r}") from None

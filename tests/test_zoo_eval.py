@@ -171,3 +171,16 @@ def test_the_runs_bar_weights_an_item_by_its_cost(monkeypatch):
         bar=zoo_text.Steps(bar, weight),
     )
     assert "dropped" in r and bar.n == 100 * weight  # its whole share of the run, in weighted steps
+
+
+def test_window_off_with_the_full_draft_weight_is_an_image_row():
+    from vlkv.common.compression.registry import get_policy
+    from vlkv.tools.eval.protocol_kinds import text_rows
+
+    rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
+    label = "window: none + lookahead 16 (w 1.0)"
+    policy = get_policy("vlcache", **rows[label]["params"])
+    assert not policy.post_vision_window and policy.lookahead == 16 and policy.lookahead_weight == 1.0
+    # today's text preset is kept, so protocol v2.1 reads it as an image-dimension candidate
+    assert policy.text_preset == get_policy("vlcache").text_preset
+    assert label not in text_rows(rows, "vlcache (defaults)")

@@ -130,6 +130,11 @@ ABLATION = (
     ("allocator: draft mass (w 1.0)", "vlcache", {"allocator": {"name": "draft_mass", "weight": 1.0}}),
     ("lookahead 16 (w 0.75)", "vlcache", {"lookahead": 16, "lookahead_weight": 0.75}),
     (
+        "window: none + lookahead 16 (w 1.0)",
+        "vlcache",
+        {"post_vision_window": False, "lookahead": 16, "lookahead_weight": 1.0},
+    ),
+    (
         "allocator: draft mass (w 0.5) + window: none",
         "vlcache",
         {"allocator": {"name": "draft_mass", "weight": 0.5}, "post_vision_window": False},

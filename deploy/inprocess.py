@@ -211,12 +211,19 @@ class InProcessEngine:
         ]
 
     def decode_caches(
-        self, caches: list[CompactKV], sampling: SamplingConfig, eos_ids: Iterable[int]
+        self,
+        caches: list[CompactKV],
+        sampling: SamplingConfig | list[SamplingConfig],
+        eos_ids: Iterable[int],
     ) -> list[list[int]]:
         """Decode already compressed caches together (no stop strings); per cache its ``generated``: the
-        prefill's token, then one per step, ending with an EOS or at ``sampling.max_new_tokens``."""
+        prefill's token, then one per step, ending with an EOS or at ``sampling.max_new_tokens``
+        (``sampling``: one for every cache, or one per cache)."""
         eos = frozenset(int(i) for i in eos_ids)
-        runs = [_Run(f"cache-{i}", c, sampling, eos) for i, c in enumerate(caches)]
+        per_cache = sampling if isinstance(sampling, list) else [sampling] * len(caches)
+        if len(per_cache) != len(caches):
+            raise ValueError(f"{len(per_cache)} sampling configs for {len(caches)} caches")
+        runs = [_Run(f"cache-{i}", c, s, eos) for i, (c, s) in enumerate(zip(caches, per_cache, strict=True))]
         self._decode(runs)
         return [list(run.seq.generated) for run in runs]
 

@@ -59,6 +59,19 @@ def test_two_workers_give_the_table_of_one_process(prompts, tmp_path, screen):
     assert not multiprocessing.active_children()
 
 
+def test_two_workers_rerank_as_one_process(prompts, tmp_path):
+    """``--rerank`` runs on the pool's workers: the same recalls, profile and trace as in one process, and
+    only the first ``rerank_prompts`` prompts are decoded free-running."""
+    one, one_trace = _run(prompts, tmp_path, "one", 1, rerank=2, rerank_prompts=2)
+    two, two_trace = _run(prompts, tmp_path, "two", 2, rerank=2, rerank_prompts=2)
+    assert two == one and two_trace == one_trace
+    assert one["measure"]["rerank"] == 2 and one["measure"]["rerank_prompts"] == 2
+    assert any("recall" in r for r in one["table"])
+    lengths = [{len(v) for v in json.loads(line).values()} for line in one_trace.splitlines()]
+    assert lengths[0] == lengths[1] == {2, 3} and lengths[2] == {2}  # the third prompt: not re-ranked
+    assert not multiprocessing.active_children()
+
+
 def test_a_workers_error_names_its_prompts_and_stops_every_worker(prompts, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     lines = prompts.read_text().splitlines()

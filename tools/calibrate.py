@@ -14,10 +14,12 @@ compressed cache is the full cache's, **KL** the mean ``KL(p_full || p_compresse
 highest mean agreement wins, ties to the lower KL. The table also reports **exact**, the share of prompts whose
 whole answer was reproduced (agreement 1.0); ranking by it first chose the same entries on smol_codes,
 smol_objects and needle (``common/compression/README.md``, "Whole-answer agreement"), so it is not ranked on.
-``--rerank K`` (off by default) then decodes the K best per budget and the default free-running and ranks them by
-**answer recall** first (``calibrate_answers.py``, rarity-weighted): on ``needle`` it fixes 2%, on ``smol_codes`` it
-keeps 2%'s gain and is one item of 50 below the old entry at 5%.
-Prompts are prefilled in chunks, each chunk's full caches decoded as one batch.
+``--rerank K`` (off by default) then decodes the K best per budget and the default free-running on the first
+``--rerank-prompts`` prompts (40) and ranks them by **answer recall** first (``calibrate_answers.py``,
+rarity-weighted; ``rerank_chunk``, on the same ``--jobs`` workers as the measure): on ``needle`` it fixes 2%, on
+``smol_codes`` it keeps 2%'s gain and is one item of 50 below the old entry at 5%.
+Prompts are prefilled in chunks, each chunk's full caches decoded as one batch; the chunks run on the tools' worker
+pool or in this process (``calibrate_jobs.py``).
 
 Cost per prompt on ``smol_codes`` (SmolLM2-135M with an image, ~760 tokens, fp32, one CPU thread, 29
 candidates x 4 budgets, ~10-token answers): ~10 s CPU (100 prompts: 998 s CPU), about a third the prefill with
@@ -38,22 +40,23 @@ import torch
 from vlkv.common.compression.presets import PRESETS
 from vlkv.common.compression.profile import PROFILE_FILENAME, CompressionProfile, ProfileEntry
 from vlkv.common.compression.registry import policy_from_dict
-from vlkv.common.config import Limits, ModelConfig
+from vlkv.common.config import Limits
 from vlkv.common.model.inputs import decode_images, input_side
-from vlkv.common.model.loading import load_model, load_processor
-from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
-from vlkv.tools.calibrate_answers import answer_recall, free_run, generation_suffix, question_of
+from vlkv.tools.calibrate_answers import ANSWER_MARGIN, answer_recall, free_run, question_of
 from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, compress, compress_with, prepare
-from vlkv.tools.progress import progress as track
 
 DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
 DEFAULT_TOKENS = 64
+DEFAULT_RERANK_PROMPTS = 40
+"""``--rerank``'s prompts: the first 40 (the re-ranking that fixed ``needle`` at 2% and kept ``smol_codes``' 2%
+gain was measured on 40 of the 100, ``common/compression/README.md``); the rerank set is chosen on all of them,
+and the decode of ~20 caches a prompt is the pass's cost."""
 """The most tokens of the full cache's answer compared per prompt (the answer ends sooner at its end token).
 The whole answer: a RULER answer repeats the question before its value ("The special magic number for X
 mentioned in the provided text is 1234567", ~25 tokens); 16 tokens saw only the repeated words, and on
@@ -279,54 +282,43 @@ def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> l
 
 def recall_chunk(model, tokenizer, suffix: str, prepared, prompts, budgets, tokens: int, chosen):
     """Per prompt of the chunk, ``{(candidate, budget): answer recall}`` for the candidates ``chosen[budget]``:
-    the full caches and every chosen candidate's (distinct) caches decoded free-running together, each
-    answer compared with its prompt's full-cache answer (``calibrate_answers.py``)."""
+    the full caches decoded free-running (at most ``tokens``), then every chosen candidate's (distinct) caches
+    together, each at most ``ANSWER_MARGIN`` tokens past its prompt's full answer, each answer compared with
+    that full-cache answer (``calibrate_answers.py``)."""
     keys = [(label, policy_from_dict(d), b) for label, d in CANDIDATES for b in budgets if label in chosen[b]]
-    caches = [compress(p, "full", 1.0) for p in prepared]
-    spans = []
-    for p in prepared:
+    full = [compress(p, "full", 1.0) for p in prepared]
+    engine = _engine(model, full, tokens)
+    eos = engine.spec.eos_token_ids
+    full_answers = free_run(engine, full, tokens, eos)
+    del full, engine
+    caches, spans, limits = [], [], []
+    for i, p in enumerate(prepared):
         mine, slot = _candidate_caches(p, keys, budgets)
-        spans.append((len(caches), slot))
+        spans.append((len(caches), len(mine), slot))
         caches += mine
-    engine = _engine(model, caches, tokens)
-    answers = free_run(engine, caches, tokens, engine.spec.eos_token_ids)
-    texts = [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
+        limits += [min(tokens, len(full_answers[i]) + ANSWER_MARGIN)] * len(mine)
+    answers = free_run(_engine(model, caches, max(limits)), caches, limits, eos)
     out = []
-    for i, (at, slot) in enumerate(spans):
+    for i, (at, count, slot) in enumerate(spans):
         question = question_of(prompts[i], suffix)
+        full_text = tokenizer.decode(full_answers[i], skip_special_tokens=True)
+        texts = [tokenizer.decode(a, skip_special_tokens=True) for a in answers[at : at + count]]
         out.append(
             {
-                (label, b): answer_recall(texts[i], texts[at + c], question, prompts[i])
+                (label, b): answer_recall(full_text, texts[c], question, prompts[i])
                 for (label, _, b), c in zip(keys, slot, strict=True)
             }
         )
     return out
 
 
-def rerank_answers(
-    model_dir, dtype, requests, rows, budgets, tokens: int, k: int, chunk: int = 8, answers=None
-):
-    """``--rerank k``: per budget the ``k`` best rows by agreement and the default (``rerank_set``) decoded
-    free-running on every prompt; returns their mean answer recall per (candidate, budget). ``answers``: a
-    list that gets each prompt's ``{"candidate|budget": recall}``."""
-    chosen = rerank_set(rows, budgets, k)
-    model = load_model(ModelConfig(path=model_dir, dtype=dtype))
-    processor = load_processor(model_dir)
-    suffix = generation_suffix(processor)
+def rerank_chunk(model, processor, suffix: str, requests, budgets, tokens: int, chosen) -> list[dict]:
+    """``--rerank``'s work on a chunk of prompts (a worker's, or the calling process's with ``--jobs 1``):
+    prefilled again, then ``recall_chunk``."""
     examples = list(_examples(requests, processor, Limits()))
-    sums: dict[tuple[str, float], float] = {}
-    for at in track(range(0, len(examples), chunk), desc="rerank", unit="chunk"):
-        part = examples[at : at + chunk]
-        prepared = prepare(model, processor, part, progress=False, task=_RenderedTask, next_attention=False)
-        prompts = [e.prompt for e in part]
-        for one in recall_chunk(
-            model, processor.tokenizer, suffix, prepared, prompts, budgets, tokens, chosen
-        ):
-            for key, value in one.items():
-                sums[key] = sums.get(key, 0.0) + value
-            if answers is not None:
-                answers.append({f"{label}|{b:g}": v for (label, b), v in one.items()})
-    return {key: total / len(examples) for key, total in sums.items()}
+    prepared = prepare(model, processor, examples, progress=False, task=_RenderedTask, next_attention=False)
+    prompts = [e.prompt for e in examples]
+    return recall_chunk(model, processor.tokenizer, suffix, prepared, prompts, budgets, tokens, chosen)
 
 
 def chunk_phases(n: int, cut: int, chunk: int) -> list[list[tuple[int, int]]]:
@@ -335,24 +327,6 @@ def chunk_phases(n: int, cut: int, chunk: int) -> list[list[tuple[int, int]]]:
     first = [(a, min(a + chunk, cut)) for a in range(0, cut, chunk)]
     rest = [(a, min(a + chunk, n)) for a in range(cut, n, chunk)]
     return [first, rest] if rest else [first]
-
-
-def _measure_here(model_dir, dtype, requests, budgets, tokens, phases, result, keep):
-    """Every chunk in this process; returns the survivors (None without screening) and the fingerprint."""
-    model = load_model(ModelConfig(path=model_dir, dtype=dtype))
-    processor = load_processor(model_dir)
-    spec = ModelSpec.from_model(model, processor.tokenizer)
-    examples = list(_examples(requests, processor, Limits()))
-    active = None
-    spans = [(n, span) for n, phase in enumerate(phases) for span in phase]
-    for n, (at, end) in track(spans, desc="calibrate", unit="chunk"):
-        if n and active is None:
-            active = survivors(result.rows(), budgets, keep)
-        prepared = prepare(
-            model, processor, examples[at:end], progress=False, task=_RenderedTask, next_attention=False
-        )
-        measure_chunk(model, prepared, budgets, tokens, result, active)
-    return active, spec.fingerprint
 
 
 def calibrate(
@@ -369,6 +343,7 @@ def calibrate(
     trace: str = "",
     jobs: int = 1,
     rerank: int = 0,
+    rerank_prompts: int = DEFAULT_RERANK_PROMPTS,
 ) -> tuple[Path, CompressionProfile, float]:
     """Run the calibration; returns the profile's path, the profile and the seconds it took.
 
@@ -376,8 +351,11 @@ def calibrate(
     ``keep`` best so far and the default on the rest (0: every candidate on every prompt). trace: write every
     prompt's agreement and KL per (candidate, budget) there as JSON lines. jobs: worker processes sharing the
     chunks (``calibrate_jobs.py``; the same table as one process). rerank: per budget the ``rerank`` best by
-    agreement and the default decoded free-running afterwards (in this process), ranked by their answer recall
-    first (``calibrate_answers.py``; 0: off); the trace's rows for them get the recall as a third number."""
+    agreement and the default decoded free-running afterwards on the first ``rerank_prompts`` prompts (0: all),
+    on the same workers, ranked by their answer recall first (``calibrate_answers.py``; 0: off); the trace's rows
+    for them get the recall as a third number."""
+    from vlkv.tools.calibrate_jobs import run_chunks
+
     start = time.perf_counter()
     budgets = tuple(sorted(float(b) for b in budgets))
     if not budgets or any(not 0.0 < b < 1.0 for b in budgets):
@@ -386,35 +364,36 @@ def calibrate(
         raise ValueError("tokens must be >= 2 (the first is the prefill's, the same for every cache)")
     if screen < 0 or keep < 1:
         raise ValueError(f"screen must be >= 0 and keep >= 1, got {screen} and {keep}")
-    if jobs < 1 or chunk < 1 or rerank < 0:
-        raise ValueError(f"jobs and chunk must be >= 1 and rerank >= 0, got {jobs}, {chunk} and {rerank}")
+    if jobs < 1 or chunk < 1 or rerank < 0 or rerank_prompts < 0:
+        raise ValueError(
+            f"jobs and chunk must be >= 1, rerank and rerank_prompts >= 0, got {jobs}, {chunk}, {rerank} "
+            f"and {rerank_prompts}"
+        )
     requests, digest = read_prompts(prompts)
     requests = requests[:max_prompts] if max_prompts else requests
     result = Calibration(trace=[] if trace else None)
     cut = screen if 0 < screen < len(requests) else len(requests)
     phases = chunk_phases(len(requests), cut, chunk)
-    if jobs > 1 and sum(map(len, phases)) > 1:
-        from vlkv.tools.calibrate_jobs import measure_in_workers
-
-        active, fingerprint = measure_in_workers(
-            model_dir, prompts, dtype, budgets, tokens, max_prompts, phases, result, keep, jobs
-        )
-    else:
-        active, fingerprint = _measure_here(model_dir, dtype, requests, budgets, tokens, phases, result, keep)
+    reranked = min(rerank_prompts or len(requests), len(requests)) if rerank else 0
+    rerank_chunks = [(a, min(a + chunk, reranked)) for a in range(0, reranked, chunk)]
+    spec = (model_dir, prompts, dtype, budgets, tokens, max_prompts)
+    active, fingerprint, answers = run_chunks(spec, phases, result, keep, jobs, rerank, rerank_chunks)
     rows = result.rows()
     measure = {"tokens": tokens, "threshold": THRESHOLD, "candidates": len(CANDIDATES)}
     if active is not None:
         measure.update(screen=cut, keep=keep)
     if rerank:
-        answers: list[dict[str, float]] = []
-        recall = rerank_answers(model_dir, dtype, requests, rows, budgets, tokens, rerank, chunk, answers)
+        sums: dict[str, float] = {}
+        for one in answers:  # prompt order: the same sums in the same order with any --jobs
+            for key, value in one.items():
+                sums[key] = sums.get(key, 0.0) + value
         for r in rows:
-            if (r["candidate"], r["budget"]) in recall:
-                r["recall"] = round(recall[(r["candidate"], r["budget"])], 6)
+            if (key := f"{r['candidate']}|{r['budget']:g}") in sums:
+                r["recall"] = round(sums[key] / len(answers), 6)
         for per_prompt, one in zip(result.trace or [], answers, strict=False):
             for key, value in one.items():
                 per_prompt[key].append(value)
-        measure.update(rerank=rerank)
+        measure.update(rerank=rerank, rerank_prompts=reranked)
     profile = CompressionProfile(
         model={"fingerprint": fingerprint, "path": str(Path(model_dir).resolve()), "dtype": dtype},
         prompts={"digest": digest, "count": len(requests), "file": Path(prompts).name},

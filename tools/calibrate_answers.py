@@ -4,8 +4,9 @@ Teacher forcing (``calibrate.py``) compares a compressed cache against the full 
 that rewords the answer ("The answer to this puzzle is: 92736." where the full cache says "The number of
 Yara is 92736.") disagrees at the first word yet carries the value, and a cache that echoes the words but
 invents the value agrees on most positions (#38, ``needle`` at 2%). Here every cache decodes greedily on
-its own (the decode core, ``InProcessEngine.decode_caches``, as many tokens as the reference and its end
-token), and what is compared is the content the full cache's answer took from the context:
+its own (the decode core, ``InProcessEngine.decode_caches``, to its end token: the full cache at most as many
+tokens as the reference, a candidate at most ``ANSWER_MARGIN`` more than the full cache's answer on its prompt),
+and what is compared is the content the full cache's answer took from the context:
 
 * the **question** is the last non-empty line of the prompt's last turn: the rendered prompt without the
   chat template's generation suffix (what the template appends after a user turn's text, found by
@@ -35,6 +36,11 @@ from vlkv.common.model.question import render_around_message
 from vlkv.common.sampling import SamplingConfig
 
 _WORD = re.compile(r"\w+")
+ANSWER_MARGIN = 16
+"""The most tokens a candidate's answer may run past the full cache's answer on its prompt: a rewording
+("The answer to this puzzle is: 92736." for "The number of Yara is 92736.") is a few tokens longer; a
+candidate that has not given the value a sentence after the full cache ended has digressed, and decoding
+it on to ``-n`` tokens (64) was most of the pass's decode on prompts with short answers."""
 
 
 def words(text: str) -> list[str]:
@@ -86,7 +92,8 @@ def answer_recall(full_answer: str, answer: str, question: str, prompt: str = ""
     return sum(wt for w, wt in zip(wanted, weights, strict=True) if w in got) / sum(weights)
 
 
-def free_run(engine, caches, tokens: int, eos_ids) -> list[list[int]]:
-    """Each cache's greedy answer, decoded together through the decode core: at most ``tokens`` tokens,
-    the prefill's included, ending at an end token (the reference decode's limits)."""
-    return engine.decode_caches(caches, SamplingConfig(max_new_tokens=tokens), eos_ids)
+def free_run(engine, caches, tokens: int | list[int], eos_ids) -> list[list[int]]:
+    """Each cache's greedy answer, decoded together through the decode core: at most ``tokens`` tokens
+    (one limit, or one per cache), the prefill's included, ending at an end token."""
+    limits = tokens if isinstance(tokens, list) else [tokens] * len(caches)
+    return engine.decode_caches(caches, [SamplingConfig(max_new_tokens=n) for n in limits], eos_ids)

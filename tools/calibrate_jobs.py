@@ -1,32 +1,48 @@
-"""``vlkv calibrate --jobs N``: the prompts' chunks measured on the tools' one worker pool (``pool.py``), the
-table merged in the parent exactly as one process builds it.
+"""``vlkv calibrate``'s chunks on the tools' one worker pool (``pool.py``; ``--jobs 1``: ``InProcess``, the same
+work in the calling process), the table merged in the parent exactly as one process builds it.
 
-Each worker loads the model once (``_load``, the pool's setup) and measures the chunks it is handed
-(``_measure``): the same chunks as one process (``calibrate.chunk_phases``), each prefilled and teacher-forced
-by the same ``measure_chunk``, so every prompt's agreement and KL per (candidate, budget) are the same
-numbers. A chunk's result is its prompts' scores; the parent adds them to its ``Calibration`` in prompt order,
-so the table's sums are the same floats in the same order as one process's (the profile's ``table`` and
-``entries`` bit-identical). Screening (``--screen``) is two batches on the same workers, the model still
-loaded: the screening prompts' chunks, then, once the parent has computed ``survivors`` from those prompts
-alone, the rest with them.
+Each worker loads the model once (``_load``, the pool's setup) and runs the chunks it is handed (``_run``):
+the same chunks as one process (``calibrate.chunk_phases``), each prefilled and teacher-forced by the same
+``measure_chunk``, so every prompt's agreement and KL per (candidate, budget) are the same numbers. A chunk's
+result is its prompts' scores; the parent adds them to its ``Calibration`` in prompt order, so the table's
+sums are the same floats in the same order as one process's (the profile's ``table`` and ``entries``
+bit-identical). Screening (``--screen``) is two batches on the same workers, the model still loaded: the
+screening prompts' chunks, then, once the parent has computed ``survivors`` from those prompts alone, the
+rest with them. ``--rerank`` is one more batch on the same workers: once the parent has the whole table and
+so the rerank set (``calibrate.rerank_set``), the first ``--rerank-prompts`` prompts' chunks go through
+``calibrate.rerank_chunk``; each prompt's answer recalls come back in prompt order.
 
-The parent shows one progress bar over the prompts. A chunk's error (or a worker that dies) stops every worker
-and raises the pool's ``WorkerFailed`` naming the worker, the prompts and the cause.
+The parent shows one progress bar over the prompts (the re-ranked ones counted again) and, on stderr at the
+end, the CPU seconds the chunks took in the workers per pass. A chunk's error (or a worker that dies) stops
+every worker and raises the pool's ``WorkerFailed`` naming the worker, the prompts and the cause.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+
 from vlkv.common.config import Limits, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
-from vlkv.tools.calibrate import _examples, _RenderedTask, measure_chunk, survivors
+from vlkv.tools.calibrate import (
+    _examples,
+    _RenderedTask,
+    measure_chunk,
+    rerank_chunk,
+    rerank_set,
+    survivors,
+)
+from vlkv.tools.calibrate_answers import generation_suffix
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import prepare
-from vlkv.tools.pool import Pool
+from vlkv.tools.pool import InProcess, Pool
 from vlkv.tools.progress import Progress
 
 FINGERPRINT = "the model's fingerprint"
 """The item that asks a worker for the loaded model's fingerprint (the profile's ``model``)."""
+RERANK = "rerank"
+"""An item ``(RERANK, start, end, chosen)``: ``--rerank``'s answer recalls of those prompts."""
 
 
 class _PerPrompt:
@@ -50,66 +66,90 @@ def _load(spec: tuple) -> dict:
     return {
         "model": model,
         "processor": processor,
+        "suffix": generation_suffix(processor),
         "requests": requests,
         "budgets": budgets,
         "tokens": tokens,
     }
 
 
-def _measure(item, state: dict, bar) -> list[dict] | str:
-    """One chunk ``(start, end, active)`` in a worker: its prompts' scores in order (or the fingerprint)."""
+def _run(item, state: dict, bar) -> tuple[list[dict] | str, float]:
+    """One item in a worker: a chunk ``(start, end, active)``'s scores per prompt in order, a ``RERANK``
+    chunk's recalls per prompt (``{"candidate|budget": recall}``), or the fingerprint; with the CPU seconds
+    it took."""
     model, processor = state["model"], state["processor"]
+    cpu = time.process_time()
     if item == FINGERPRINT:
-        return ModelSpec.from_model(model, processor.tokenizer).fingerprint
+        return ModelSpec.from_model(model, processor.tokenizer).fingerprint, 0.0
+    if item[0] == RERANK:
+        _, start, end, chosen = item
+        requests = state["requests"][start:end]
+        recalls = rerank_chunk(
+            model, processor, state["suffix"], requests, state["budgets"], state["tokens"], chosen
+        )
+        bar.update(end - start)
+        out = [{f"{label}|{b:g}": v for (label, b), v in one.items()} for one in recalls]
+        return out, time.process_time() - cpu
     start, end, active = item
     examples = list(_examples(state["requests"][start:end], processor, Limits()))
     prepared = prepare(model, processor, examples, progress=False, task=_RenderedTask, next_attention=False)
     out = _PerPrompt()
     measure_chunk(model, prepared, state["budgets"], state["tokens"], out, active)
     bar.update(end - start)
-    return out.trace
+    return out.trace, time.process_time() - cpu
 
 
 def where(item) -> str:
-    """An item's name in the bar and in a failure: ``prompt 3``, ``prompts 9-16``."""
+    """An item's name in the bar and in a failure: ``prompt 3``, ``prompts 9-16``, ``re-rank prompts 1-8``."""
     if item == FINGERPRINT:
         return item
-    start, end = item[:2]
-    return f"prompt {end}" if end - start == 1 else f"prompts {start + 1}-{end}"
+    start, end = item[1:3] if item[0] == RERANK else item[:2]
+    name = f"prompt {end}" if end - start == 1 else f"prompts {start + 1}-{end}"
+    return f"re-rank {name}" if item[0] == RERANK else name
 
 
-def measure_in_workers(
-    model_dir: str,
-    prompts: str,
-    dtype: str,
-    budgets,
-    tokens: int,
-    max_prompts: int,
+def run_chunks(
+    spec: tuple,
     phases: list[list[tuple[int, int]]],
     result,
     keep: int,
     jobs: int,
-) -> tuple[dict | None, str]:
-    """Measure ``phases`` (the screening chunks, then the rest; one phase without screening) in ``jobs``
-    workers, adding every prompt to ``result`` in prompt order. Returns the survivors (None without
-    screening) and the model's fingerprint."""
+    rerank: int = 0,
+    rerank_chunks: list[tuple[int, int]] = (),
+) -> tuple[dict | None, str, list[dict]]:
+    """Measure ``phases`` (the screening chunks, then the rest; one phase without screening) on ``jobs``
+    workers (1: in this process), adding every prompt to ``result`` in prompt order; then, with ``rerank``,
+    ``rerank_chunks``' answer recalls. ``spec``: (model_dir, prompts, dtype, budgets, tokens, max_prompts).
+    Returns the survivors (None without screening), the model's fingerprint and the re-ranked prompts'
+    ``{"candidate|budget": recall}`` in prompt order."""
+    budgets = spec[3]
     total = sum(end - start for phase in phases for start, end in phase)
-    jobs = max(1, min(jobs, max(len(phase) for phase in phases)))
-    spec = (model_dir, prompts, dtype, tuple(budgets), tokens, max_prompts)
-    active, fingerprint = None, ""
-    with (
-        Progress(total=total, desc="calibrate", unit="prompt") as bar,
-        Pool(jobs, _measure, _load, spec, bar=bar, label=where) as pool,
-    ):
-        for n, phase in enumerate(phases):
-            if n:
-                active = survivors(result.rows(), budgets, keep)
-            chunks = pool.run([(start, end, active) for start, end in phase] + ([] if n else [FINGERPRINT]))
-            fingerprint = chunks.pop() if not n else fingerprint
-            for per_prompt in chunks:
-                for scores in per_prompt:
-                    if result.trace is not None:
-                        result.trace.append({})
-                    for key, (agreement, kl) in scores.items():
-                        result.add(key, agreement, kl)
-    return active, fingerprint
+    total += sum(end - start for start, end in rerank_chunks) if rerank else 0
+    jobs = max(1, min(jobs, max(len(phase) for phase in [*phases, rerank_chunks])))
+    active, fingerprint, answers, cpu = None, "", [], {"agreement": 0.0, "re-rank": 0.0}
+    with Progress(total=total, desc="calibrate", unit="prompt") as bar:
+        start = Pool if jobs > 1 else InProcess
+        with start(jobs, _run, _load, spec, bar=bar, label=where) as pool:
+            for n, phase in enumerate(phases):
+                if n:
+                    active = survivors(result.rows(), budgets, keep)
+                items = [(start, end, active) for start, end in phase] + ([] if n else [FINGERPRINT])
+                chunks = pool.run(items)
+                fingerprint = chunks.pop()[0] if not n else fingerprint
+                for per_prompt, seconds in chunks:
+                    cpu["agreement"] += seconds
+                    for scores in per_prompt:
+                        if result.trace is not None:
+                            result.trace.append({})
+                        for key, (agreement, kl) in scores.items():
+                            result.add(key, agreement, kl)
+            if rerank and rerank_chunks:
+                chosen = rerank_set(result.rows(), budgets, rerank)
+                for recalls, seconds in pool.run([(RERANK, a, b, chosen) for a, b in rerank_chunks]):
+                    cpu["re-rank"] += seconds
+                    answers += recalls
+    spent = ", ".join(f"{name} {s:.0f} s" for name, s in cpu.items() if s)
+    print(
+        f"calibrate: CPU in the chunks ({jobs} worker(s), model loads not counted): {spent}", file=sys.stderr
+    )
+    return active, fingerprint, answers

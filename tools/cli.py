@@ -476,6 +476,7 @@ def cmd_calibrate(args) -> int:
             trace=args.trace,
             jobs=args.jobs,
             rerank=args.rerank,
+            rerank_prompts=args.rerank_prompts,
         )
     except WorkerFailed as err:  # its traceback, then which prompts and why
         print(f"calibrate worker {err.worker}:\n{err.error}", file=sys.stderr)
@@ -700,6 +701,13 @@ def main(argv: list[str] | None = None) -> int:
         help="per budget decode the K best by agreement and the default free-running and rank them by answer "
         "recall first: the share of the full cache's answer words the question does not give found in theirs, "
         "each word weighted by its rarity in the prompt, 1/(1 + its count) (0: off)",
+    )
+    p.add_argument(
+        "--rerank-prompts",
+        type=int,
+        default=40,
+        help="with --rerank: decode free-running on the first N prompts only (0: all; the rerank set is chosen "
+        "on every prompt's agreement)",
     )
     p.add_argument("--dtype", default="float32", help="the dtype the model will be served in (fingerprinted)")
     p.add_argument("--out", default="", help="where to write (default: <model>/compression_profile.json)")

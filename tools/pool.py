@@ -9,6 +9,9 @@ The workers stay up between batches, so a second batch (calibrate's prompts afte
 model loaded. Everything a worker says comes back to the parent: steps for the parent's one bar
 (``bar.update(n)`` in ``work``), a result, or an error. The parent's bar names the items in flight.
 
+``InProcess`` is ``Pool``'s interface in the calling process (``--jobs 1``): the same ``setup`` and ``work``,
+the items in order, an item's error raised as itself.
+
 Each worker talks to the parent over a pipe of its own (no semaphores in the parent, no queue a killed
 worker could leave locked). A failed item, a failed ``setup`` or a worker that dies (killed, out of memory)
 raises ``WorkerFailed`` naming the worker, the item and the cause, after every worker has been stopped.
@@ -238,3 +241,44 @@ class Pool:
                 proc.join()
         for conn in self.conns:
             conn.close()
+
+
+class InProcess:
+    """``Pool``'s interface without workers: ``setup(spec)`` now, then ``work(item, state, bar)`` for every
+    item in this process, in order (``jobs`` is taken for the signature and must be 1)."""
+
+    def __init__(
+        self,
+        jobs: int,
+        work: Callable,
+        setup: Callable | None = None,
+        spec: Any = None,
+        bar: Progress | None = None,
+        label: Callable[[Any], str] = str,
+    ) -> None:
+        if jobs != 1:
+            raise ValueError(f"InProcess runs one job, got {jobs}")
+        self.work, self.bar, self.label = work, bar, label
+        self.state = setup(spec) if setup is not None else spec
+
+    def __enter__(self) -> InProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def run(self, items: Sequence, on_result: Callable[[int, Any], None] | None = None) -> list:
+        """Every item here, in order; their results in that order."""
+        results = []
+        for i, item in enumerate(items):
+            if self.bar is not None:
+                self.bar.set_postfix(self.label(item))
+            results.append(self.work(item, self.state, self.bar if self.bar is not None else _NoBar()))
+            if on_result is not None:
+                on_result(i, results[-1])
+        return results
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass

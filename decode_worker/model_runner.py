@@ -39,18 +39,26 @@ class PagedBatch:
     """
 
     def __init__(
-        self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor, mass: torch.Tensor | None = None
+        self,
+        cache: KVCache,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        mass: torch.Tensor | None = None,
+        rows: int = 0,
     ) -> None:
         self.cache = cache
         self.tables = tables
         self.lengths = lengths
         self.mass = mass
+        self.real = tables.shape[0]
+        self.rows = rows  # > 0: the step carries this many rows, the first ``real`` of them sequences
         self._rows = torch.arange(tables.shape[0], device=tables.device)
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         """key, value: ``[S, H_kv, 1, D]`` post-RoPE; written at each sequence's next slot (an 8-bit pool:
         K quantized with the layer's prefill-time channel scales, clamped; V with its own token scale)."""
         cache = self.cache
+        key, value = key[: self.real], value[: self.real]  # padding rows (``rows``) write nothing
         pos = self.lengths[:, layer_idx].long()
         blocks = self.tables[self._rows, layer_idx, pos // cache.block_size].long()
         offs = pos % cache.block_size
@@ -67,30 +75,47 @@ class PagedBatch:
         return key, value
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query ``[S, H, 1, D]`` -> output ``[S, 1, H, D]``."""
-        out = paged_decode_attention(
-            query[:, :, 0].contiguous(),
+        """query ``[S, H, 1, D]`` -> output ``[S, 1, H, D]``. With ``rows``: each sequence attends alone (the
+        reference pads a batch to its longest sequence, which changes the rounding of the others), and the
+        padding rows get zeros."""
+        if not self.rows:
+            return self._attend(layer_idx, query[:, :, 0].contiguous(), scaling, slice(None)).unsqueeze(1)
+        out = torch.zeros_like(query[:, :, 0])
+        for i in range(self.real):
+            out[i : i + 1] = self._attend(
+                layer_idx, query[i : i + 1, :, 0].contiguous(), scaling, slice(i, i + 1)
+            )
+        return out.unsqueeze(1)
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, scaling: float, seqs: slice) -> torch.Tensor:
+        return paged_decode_attention(
+            q,
             self.cache.k,
             self.cache.v,
-            self.tables[:, layer_idx].contiguous(),
-            (self.lengths[:, layer_idx] + 1).to(torch.int32),
+            self.tables[seqs, layer_idx].contiguous(),
+            (self.lengths[seqs, layer_idx] + 1).to(torch.int32),
             scale=scaling,
             validate=False,  # ModelRunner.step checked every layer's tables and lengths
             k_scale=self.cache.k_scale,
             v_scale=self.cache.v_scale,
             kv_format="fp8" if self.cache.kv_dtype == "fp8" else "int8",  # read only by 8-bit pools
-            mass_out=None if self.mass is None else self.mass[:, layer_idx],
+            mass_out=None if self.mass is None else self.mass[seqs, layer_idx],
         )
-        return out.unsqueeze(1)
 
 
 class ModelRunner:
     """Runs batched single-token decode steps of a LLaVA model's language model.
 
-    ``batch_invariant``: each sequence's step runs as a batch of one (``PoolConfig.batch_invariant``), so
-    its logits are the ones it would get decoding alone, whatever else is in the batch: a matmul's rounding
-    depends on its row count (bfloat16 most visibly), which can flip a greedy token under load.
+    ``batch_invariant`` (``PoolConfig.batch_invariant``): a sequence's logits are the bits it would get
+    decoding alone, whatever else is in the batch. A matmul's rounding depends on its shape (bfloat16 most
+    visibly), which can flip a greedy token under load. On CPU every step then has one shape: the batch is
+    cut into groups of ``INVARIANT_ROWS`` rows, the last one padded with rows that write and read no cache,
+    and each sequence attends alone; a row's result in a matmul of one shape does not depend on its place
+    or its neighbours (``tests/test_batch_invariant.py`` checks the logits bit for bit). On other devices
+    each sequence steps as a batch of one (their kernels are not checked here).
     """
+
+    INVARIANT_ROWS = 8
 
     def __init__(self, model, cache: KVCache, batch_invariant: bool = False) -> None:
         use_vlkv_attention(model)
@@ -104,23 +129,28 @@ class ModelRunner:
     def step(self, batch: list[StepInput], mass: bool = False) -> torch.Tensor:
         """Feed one token per sequence; returns next-token logits ``[S, vocab]`` in fp32. ``mass``: also
         leave each layer's per-token attention mass in ``last_mass`` ``[S, L, max_blocks * P]`` (CPU)."""
-        if not self.batch_invariant or len(batch) == 1:
+        if not self.batch_invariant:
             return self._step(batch, mass)
+        rows = self.INVARIANT_ROWS if self.device.type == "cpu" else 1
+        groups = [batch[i : i + rows] for i in range(0, len(batch), rows)]
+        if len(groups) == 1:
+            return self._step(groups[0], mass, rows if rows > 1 else 0)
         logits, masses = [], []
-        for seq in batch:
-            logits.append(self._step([seq], mass))
+        for group in groups:
+            logits.append(self._step(group, mass, rows if rows > 1 else 0))
             masses.append(self.last_mass)
-        if mass:  # each sequence's mass is as wide as its own blocks: pad to the batch's widest
+        if mass:  # each group's mass is as wide as its own blocks: pad to the batch's widest
             width = max(m.shape[-1] for m in masses)
             self.last_mass = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for m in masses])
         return torch.cat(logits)
 
     @torch.inference_mode()
-    def _step(self, batch: list[StepInput], mass: bool) -> torch.Tensor:
+    def _step(self, batch: list[StepInput], mass: bool, rows: int = 0) -> torch.Tensor:
+        """One step of ``batch``; ``rows`` > 0: as ``rows`` rows, the sequences first (see the class)."""
         num_layers = len(batch[0].tables)
         max_blocks = max(len(t) for s in batch for t in s.tables)
-        rows = [t + [-1] * (max_blocks - len(t)) for s in batch for t in s.tables]  # one tensor, not S x L
-        tables = torch.tensor(rows, dtype=torch.int32).view(len(batch), num_layers, max_blocks)
+        table_rows = [t + [-1] * (max_blocks - len(t)) for s in batch for t in s.tables]  # one tensor
+        tables = torch.tensor(table_rows, dtype=torch.int32).view(len(batch), num_layers, max_blocks)
         lengths = torch.tensor([s.lengths for s in batch], dtype=torch.int32)
         # Checked once per step for every layer; the attention calls then skip their own per-layer check.
         check_paged_values(
@@ -128,10 +158,10 @@ class ModelRunner:
         )
         width = max_blocks * self.cache.block_size
         masses = torch.zeros(len(batch), num_layers, width, device=self.device) if mass else None
-        paged = PagedBatch(self.cache, tables.to(self.device), lengths.to(self.device), masses)
-
-        tokens = torch.tensor([[s.token] for s in batch], device=self.device)
-        positions = torch.tensor([[s.position] for s in batch], device=self.device)
+        paged = PagedBatch(self.cache, tables.to(self.device), lengths.to(self.device), masses, rows)
+        pad = [(0, 0)] * (rows - len(batch)) if rows else []  # token 0 at position 0: written nowhere
+        tokens = torch.tensor([[s.token] for s in batch] + [[t] for t, _ in pad], device=self.device)
+        positions = torch.tensor([[s.position] for s in batch] + [[p] for _, p in pad], device=self.device)
         hidden = self.lm.embed_tokens(tokens)
         position_embeddings = self.lm.rotary_emb(hidden, position_ids=positions)
         for layer in self.lm.layers[:num_layers]:
@@ -146,4 +176,4 @@ class ModelRunner:
             )
         hidden = self.lm.norm(hidden)
         self.last_mass = masses.cpu() if masses is not None else None
-        return self.model.lm_head(hidden[:, -1]).float()
+        return self.model.lm_head(hidden[:, -1]).float()[: len(batch)]

@@ -2,8 +2,8 @@
 
 A matmul's rounding depends on how many rows it multiplies, so a batched step's logits differ in their last
 bits from a sequence's solo step (here in float32; in bfloat16 on a real model such a difference flips
-greedy tokens, ``vlkv eval --api``). With the option the decode worker steps each sequence as a batch of
-one: the same bits whatever else is decoding.
+greedy tokens, ``vlkv eval --api``). With the option the decode worker runs every step on CPU in groups of
+one shape, each sequence attending alone: the same bits whatever else is decoding.
 """
 
 from __future__ import annotations
@@ -54,6 +54,21 @@ def test_each_sequence_gets_its_solo_logits_and_mass(model):
         width = mass.shape[-1]
         assert torch.equal(runner.last_mass[i : i + 1, :, :width], mass)
         assert not runner.last_mass[i, :, width:].any()  # padding past its own blocks
+
+
+@pytest.mark.parametrize("group", [3, 5])
+def test_groups_and_padding_rows_keep_the_solo_bits(model, monkeypatch, group):
+    """A batch longer than a group runs as several groups, the last padded with rows that touch no cache:
+    still every sequence's solo bits, and the cache holds what solo steps wrote."""
+    monkeypatch.setattr(ModelRunner, "INVARIANT_ROWS", group)
+    cache, batch = _cache_and_batch(model)
+    runner = ModelRunner(model, cache, batch_invariant=True)
+    solo = [runner.step([seq]) for seq in batch]
+    k, v = cache.k.clone(), cache.v.clone()
+    logits = runner.step(batch)
+    for i, one in enumerate(solo):
+        assert torch.equal(logits[i : i + 1], one), f"sequence {i}: batched logits differ from its solo step"
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)  # the padding rows wrote nothing
 
 
 def test_batched_step_agrees_with_invariant_one_closely(model):

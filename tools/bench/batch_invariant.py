@@ -1,9 +1,10 @@
-"""What ``--batch-invariant`` costs and what it buys: decode steps of a real model, batched as usual and one
-sequence at a time (``PoolConfig.batch_invariant``), side by side in one run.
+"""What ``--batch-invariant`` costs and what it buys: decode steps of a real model, batched as usual and
+batch-invariant (``PoolConfig.batch_invariant``: on CPU groups of one shape, each sequence attending alone),
+side by side in one run.
 
 For each batch size: the time of one decode step (``ModelRunner.step``, median of ``--reps``, the two modes
-interleaved) and tokens per second, and against each sequence's solo step the share of sequences whose
-logits are the same bits and the number whose greedy token differs. The caches are random K/V of
+interleaved) and tokens per second, and against each sequence's solo step in the same mode (what a server in
+that mode gives it decoding alone) the share of sequences whose logits are the same bits and the number whose greedy token differs. The caches are random K/V of
 ``--prompt``, ``--prompt`` - 13, ... tokens per layer (what a step costs depends on their length, not their values).
 
     python -m vlkv.tools.bench.batch_invariant [--model DIR] [--dtype bfloat16] [--batches 1,4,16] \
@@ -60,7 +61,9 @@ def run(args) -> list[dict]:
     rows = []
     for n in batches:
         batch = _batch(spec, cache, n, args.prompt, 0)
-        solo = [runners["batched"].step([s]) for s in batch]  # a step rewrites its token's slot alike
+        # each mode against its own solo step: what a server in that mode gives a sequence decoding alone
+        # (a step rewrites its token's slot alike)
+        solo = {mode: [runners[mode].step([s]) for s in batch] for mode in MODES}
         times: dict[str, list[float]] = {m: [] for m in MODES}
         logits = {mode: runners[mode].step(batch) for mode in MODES}  # untimed: warm each path once
         for _ in range(args.reps):
@@ -70,8 +73,8 @@ def run(args) -> list[dict]:
                 times[mode].append(time.perf_counter() - t0)
         for mode in MODES:
             step = statistics.median(times[mode])
-            same = sum(torch.equal(logits[mode][i : i + 1], solo[i]) for i in range(n))
-            flips = sum(int(logits[mode][i].argmax() != solo[i][0].argmax()) for i in range(n))
+            same = sum(torch.equal(logits[mode][i : i + 1], solo[mode][i]) for i in range(n))
+            flips = sum(int(logits[mode][i].argmax() != solo[mode][i][0].argmax()) for i in range(n))
             rows.append(
                 {
                     "batch": n,

@@ -165,17 +165,20 @@ def _runs(args, profile) -> list[tuple[str, str, float | None, str, dict]]:
     return runs
 
 
-def _in_process(model, processor, prepared, runs, max_new: int, with_default: bool, one_by_one: bool):
+def _in_process(
+    model, processor, prepared, runs, max_new: int, with_default: bool, one_by_one: bool, invariant: bool
+):
     """The in-process table's answers per run (``zoo_scoring``: one prefill, each run's caches decoded
-    together; with ``one_by_one`` one at a time, the batch a server asked one request at a time decodes), and
-    with ``with_default`` the default policy's per budget run (``[]`` for full)."""
+    together; with ``one_by_one`` one at a time, the batch a server asked one request at a time decodes;
+    with ``invariant`` batched as ``vlkv serve --batch-invariant`` decodes, each answer the one it would get
+    alone), and with ``with_default`` the default policy's per budget run (``[]`` for full)."""
     texts: dict = {}
     chunk = 1 if one_by_one else DECODE_CHUNK
-    ids, _ = full_answers(model, processor, prepared, max_new, texts, chunk=chunk)
+    ids, _ = full_answers(model, processor, prepared, max_new, texts, chunk=chunk, batch_invariant=invariant)
     answers, default = [texts[FULL]["1.0"]], [[]]
     for label, _, budget, policy, params in runs[1:]:
         rows = [(label, policy, params)] + ([("default", DEFAULT_POLICY, {})] if with_default else [])
-        score_rows(model, processor, prepared, ids, rows, [budget], max_new, False, texts, chunk)
+        score_rows(model, processor, prepared, ids, rows, [budget], max_new, False, texts, chunk, invariant)
         answers.append(texts[label][str(budget)])
         default.append(texts["default"][str(budget)] if with_default else [])
     return answers, default
@@ -201,11 +204,18 @@ def run_api_check(args) -> int:
     start = time.perf_counter()
     prepared = prepare(model, processor, examples, progress=True, task=task, next_attention=False)
     # bfloat16 decoding is not batch-invariant: a greedy token can change with the batch it is decoded in
-    # (the served decode worker batches the requests in flight); --concurrency 1 decodes both sides alone,
-    # and so does --batch-invariant at any concurrency (the decode worker steps each sequence alone)
-    one_by_one = args.concurrency == 1 or batch_invariant
+    # (the served decode worker batches the requests in flight); --concurrency 1 decodes both sides alone;
+    # --batch-invariant decodes both sides so that each answer is the one it would get alone, at any batch
+    one_by_one = args.concurrency == 1 and not batch_invariant
     local, default = _in_process(
-        model, processor, prepared, runs, target.max_new_tokens, profile is not None, one_by_one
+        model,
+        processor,
+        prepared,
+        runs,
+        target.max_new_tokens,
+        profile is not None,
+        one_by_one,
+        batch_invariant,
     )
     del prepared
     asks = [(policy, budget) for _, policy, budget, _, _ in runs]

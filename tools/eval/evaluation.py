@@ -254,6 +254,7 @@ def decode_batch(
     prompt_weight: float = DEFAULT_PROMPT_WEIGHT,
     min_new_tokens: int = 0,
     stats: dict | None = None,
+    batch_invariant: bool = False,
 ) -> list[list[int]]:
     """Greedy decode of all caches together as one batch through the in-process engine's paged pool and
     decode core; per cache the prefill's token and up to ``max_new_tokens - 1`` more, ending at an EOS.
@@ -262,7 +263,8 @@ def decode_batch(
     (``--kv-dtype``, ``--decode-budget``, ``--decode-window``, ``--prompt-weight``). ``min_new_tokens``: long answers: EOS does not end a sequence
     before this many tokens (every sequence decodes ``max(max_new_tokens, min_new_tokens)`` steps, its
     answer is cut at its first EOS from then on), so decode-phase re-compression acts while it answers.
-    ``stats``: filled with ``evicted_tokens`` (by re-compression)."""
+    ``stats``: filled with ``evicted_tokens`` (by re-compression). ``batch_invariant``: each answer is the one
+    it would get decoded alone (``PoolConfig.batch_invariant``, as ``vlkv serve --batch-invariant``)."""
     c0 = caches[0]
     steps = max(max_new_tokens, min_new_tokens)
     need = sum(blocks_needed(c.layer_lengths, steps, BLOCK_SIZE) for c in caches)
@@ -276,6 +278,7 @@ def decode_batch(
         decode_budget=decode_budget,
         decode_window=decode_window,
         prompt_weight=prompt_weight,
+        batch_invariant=batch_invariant,
     )
     outs = engine.decode_caches(
         caches, SamplingConfig(max_new_tokens=steps), set() if min_new_tokens else eos

@@ -57,10 +57,17 @@ def score_chunk(
 
 
 def full_answers(
-    model, processor, prepared, max_new_tokens: int, texts: dict | None = None, chunk: int = 600
+    model,
+    processor,
+    prepared,
+    max_new_tokens: int,
+    texts: dict | None = None,
+    chunk: int = 600,
+    batch_invariant: bool = False,
 ):
-    """``(token ids, {FULL: {"1.0": [right]}})`` of the full cache's greedy answers (``chunk`` at a time)."""
-    decode = _decoder(model, processor, max_new_tokens, chunk)
+    """``(token ids, {FULL: {"1.0": [right]}})`` of the full cache's greedy answers (``chunk`` at a time;
+    ``batch_invariant``: decoded as ``vlkv serve --batch-invariant`` decodes)."""
+    decode = _decoder(model, processor, max_new_tokens, chunk, batch_invariant)
     ids, answers = decode([compress(p, "full", 1.0) for p in prepared])
     if texts is not None:
         texts.setdefault(FULL, {})["1.0"] = answers
@@ -80,9 +87,10 @@ def score_rows(
     oracle=True,
     texts=None,
     decode_chunk=DECODE_CHUNK,
+    batch_invariant: bool = False,
 ) -> dict[str, dict[str, list[bool]]]:
     """Every row (and the oracles, from the answers ``full_ids``) at every budget; ``score_chunk``'s rows."""
-    decode = _decoder(model, processor, max_new_tokens, decode_chunk)
+    decode = _decoder(model, processor, max_new_tokens, decode_chunk, batch_invariant)
     attention = (
         [answer_attention(model, p, ids) for p, ids in zip(prepared, full_ids, strict=True)] if oracle else []
     )
@@ -124,7 +132,7 @@ def _decode_unique(decode, caches: list, n: int) -> list[str]:
     return [answers[i] for i in where]
 
 
-def _decoder(model, processor, max_new_tokens: int, chunk: int):
+def _decoder(model, processor, max_new_tokens: int, chunk: int, batch_invariant: bool = False):
     eos = {processor.tokenizer.eos_token_id}
 
     def decode(caches):
@@ -132,7 +140,9 @@ def _decoder(model, processor, max_new_tokens: int, chunk: int):
         size = -(-len(caches) // max(1, -(-len(caches) // chunk))) if caches else 1
         ids = []
         for i in range(0, len(caches), size):
-            ids += decode_batch(model, caches[i : i + size], max_new_tokens, eos)
+            ids += decode_batch(
+                model, caches[i : i + size], max_new_tokens, eos, batch_invariant=batch_invariant
+            )
         return ids, [processor.tokenizer.decode(o, skip_special_tokens=True) for o in ids]
 
     return decode

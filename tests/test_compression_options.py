@@ -198,6 +198,8 @@ def test_layer_share_keeps_in_every_layer_what_one_layer_looks_up():
         "vlcache_lookup",
         "vlcache_text_span",
         "vlcache_text_question",
+        "vlcache_text_lean",
+        "vlcache_text_lean_sinks2",
     ],
 )
 def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone(name):

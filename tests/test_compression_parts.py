@@ -137,6 +137,25 @@ def test_text_lookahead_presets_are_vlcache_text_span_with_a_draft():
         assert dataclasses.replace(policy, lookahead=0, lookahead_weight=span.lookahead_weight) == span
 
 
+def test_lean_text_presets_fix_fewer_slots_than_vlcache_text_span():
+    """vlcache_text_lean: vlcache_text_span with a 20-row window, 12-token spans, no recent window and a
+    question share that shrinks below 5% of the prompt (a quarter of the layer at 5% and above, a tenth at
+    2%); vlcache_text_lean_sinks2: the same with two sinks and the quarter at every budget."""
+    span, lean, sinks2 = (
+        preset("vlcache_text_span"),
+        preset("vlcache_text_lean"),
+        preset("vlcache_text_lean_sinks2"),
+    )
+    common = {"text_window": 20, "span_after": 12, "recent_ratio": 0.0}
+    assert lean == dataclasses.replace(span, post_vision_slope=5.0, **common)
+    assert sinks2 == dataclasses.replace(span, sink_tokens=2, **common)
+    m = 1024
+    k2, k5, k10 = 21, 52, 103  # uniform layer budgets at 2 / 5 / 10%
+    assert [span.post_vision_share(k, m) for k in (k2, k5, k10)] == [5, 13, 25]
+    assert [sinks2.post_vision_share(k, m) for k in (k2, k5, k10)] == [5, 13, 25]
+    assert [lean.post_vision_share(k, m) for k in (k2, k5, k10)] == [2, 13, 25]
+
+
 def test_text_only_prompts_use_an_observation_window():
     """No vision tokens (tau = m), no text preset: the last 32 rows score the rest and are kept like a
     question (by default the preset vlcache_text_span does that with 24 rows)."""

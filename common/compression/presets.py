@@ -44,6 +44,14 @@ scores (``lookahead``, ``lookahead.py``); not adopted (protocol v2.1's text dime
 long enough to pass a RULER answer's echo of its question (~25 tokens) and reach the value; not adopted
 either (training split: 0.510 at w 0.5, 0.450 at w 1.0, against 0.615; compression README, "Text-only
 prompts: 32- and 48-token drafts").
+
+``vlcache_text_lean``: ``vlcache_text_span`` with fewer slots fixed and shorter spans (issue #38; compression
+README, "Text-only presets: fewer fixed slots"): a 20-row window, no recent window (``recent_ratio=0``: in a
+text-only prompt it holds the context's tail), the question's share shrinking below 5%
+(``post_vision_slope=5``: a quarter of a layer at 5%, a tenth at 2%), and 12-token spans (enough for "KEY
+is: 1234567" from the key's last token; 16 carry the looked-up phrase's followers into the slots the needle's
+last digits need). ``vlcache_text_lean_sinks2``: the same with two sinks and the question's quarter at every
+budget. The two best of nine on the training split (n = 10 per task).
 """
 
 from __future__ import annotations
@@ -86,6 +94,20 @@ PRESETS["vlcache_text_lowbudget"] = PRESETS["vlcache_text"] | {
     "recent_ratio": 0.0,
 }
 PRESETS["vlcache_text_span"] = PRESETS["vlcache_lookup"] | {"text_window": 24, "span_after": 16}
+# Fewer fixed slots for text-only prompts: no recent window, and the question's share shrinking with the
+# budget (vlcache_text_lean) or two sinks instead of four (vlcache_text_lean_sinks2).
+PRESETS["vlcache_text_lean"] = PRESETS["vlcache_text_span"] | {
+    "text_window": 20,
+    "span_after": 12,
+    "recent_ratio": 0.0,
+    "post_vision_slope": 5.0,
+}
+PRESETS["vlcache_text_lean_sinks2"] = PRESETS["vlcache_text_span"] | {
+    "text_window": 20,
+    "span_after": 12,
+    "recent_ratio": 0.0,
+    "sink_tokens": 2,
+}
 PRESETS["vlcache_text_question"] = PRESETS["vlcache_text_span"] | {"question_min": 8, "question_max": 48}
 PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
     "lookahead": 16,

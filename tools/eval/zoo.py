@@ -85,6 +85,12 @@ ABLATION = (
     ("text-only prompts: preset vlcache_lookup", "vlcache", {"text_preset": "vlcache_lookup"}),
     ("text-only prompts: preset vlcache_text_span", "vlcache", {"text_preset": "vlcache_text_span"}),
     ("text-only prompts: preset vlcache_text_question", "vlcache", {"text_preset": "vlcache_text_question"}),
+    ("text-only prompts: preset vlcache_text_lean", "vlcache", {"text_preset": "vlcache_text_lean"}),
+    (
+        "text-only prompts: preset vlcache_text_lean_sinks2",
+        "vlcache",
+        {"text_preset": "vlcache_text_lean_sinks2"},
+    ),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

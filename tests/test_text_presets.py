@@ -111,7 +111,9 @@ def test_text_span_is_vlcache_lookup_with_a_question_sized_window_and_longer_spa
     assert policy_from_dict(span.to_dict()) == span
 
 
-@pytest.mark.parametrize("name", ["vlcache_lookup", "vlcache_text_span"])
+@pytest.mark.parametrize(
+    "name", ["vlcache_lookup", "vlcache_text_span", "vlcache_text_lean", "vlcache_text_lean_sinks2"]
+)
 def test_text_preset_rows_the_protocol_reads_as_text_presets(name):
     from vlkv.tools.eval.protocol_kinds import text_rows
     from vlkv.tools.eval.zoo import ABLATION
@@ -120,3 +122,13 @@ def test_text_preset_rows_the_protocol_reads_as_text_presets(name):
     label = f"text-only prompts: preset {name}"
     assert rows[label] == {"policy": "vlcache", "params": {"text_preset": name}}
     assert label in text_rows(rows, "vlcache (defaults)")
+
+
+def test_lean_presets_keep_the_long_value_at_2_percent_where_text_span_runs_out():
+    # at 2% (20 slots a layer) vlcache_text_span's sinks, recent window and question share leave room for 7 of
+    # the value's 12 tokens; without the recent window, with 12-token spans and the question's share shrunk
+    # (lean) or two sinks (lean_sinks2), the scored slots hold all or all but one
+    assert _kept_value("vlcache_text_span", 0.02) == [7] * LAYERS
+    assert _kept_value("vlcache_text_lean", 0.02) == [len(LONG_VALUE)] * LAYERS
+    assert _kept_value("vlcache_text_lean_sinks2", 0.02) == [len(LONG_VALUE) - 1] * LAYERS
+    assert _kept_value("vlcache_text_lean", 0.05) == [len(LONG_VALUE)] * LAYERS

@@ -53,14 +53,14 @@ from vlkv.tools.eval.evaluation import BLOCK_SIZE, compress, compress_with, prep
 
 DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
 DEFAULT_TOKENS = 64
-DEFAULT_RERANK_PROMPTS = 40
-"""``--rerank``'s prompts: the first 40 (the re-ranking that fixed ``needle`` at 2% and kept ``smol_codes``' 2%
-gain was measured on 40 of the 100, ``common/compression/README.md``); the rerank set is chosen on all of them,
-and the decode of ~20 caches a prompt is the pass's cost."""
 """The most tokens of the full cache's answer compared per prompt (the answer ends sooner at its end token).
 The whole answer: a RULER answer repeats the question before its value ("The special magic number for X
 mentioned in the provided text is 1234567", ~25 tokens); 16 tokens saw only the repeated words, and on
 niah_single_1 chose a preset that keeps none of the values (``common/compression/README.md``)."""
+DEFAULT_RERANK_PROMPTS = 40
+"""``--rerank``'s prompts: the first 40 (the re-ranking that fixed ``needle`` at 2% and kept ``smol_codes``' 2%
+gain was measured on 40 of 100, ``common/compression/README.md``). The rerank set is still chosen on every
+prompt's agreement; the pass's cost is a prefill and the decode of ~20 caches per re-ranked prompt."""
 THRESHOLD = 0.01
 _VL = {"policy": "vlcache"}
 # (label, policy dict): the declared grid, one change at a time from the default (at most two: the window

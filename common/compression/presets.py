@@ -51,7 +51,9 @@ text-only prompt it holds the context's tail), the question's share shrinking be
 (``post_vision_slope=5``: a quarter of a layer at 5%, a tenth at 2%), and 12-token spans (enough for "KEY
 is: 1234567" from the key's last token; 16 carry the looked-up phrase's followers into the slots the needle's
 last digits need). ``vlcache_text_lean_sinks2``: the same with two sinks and the question's quarter at every
-budget. The two best of nine on the training split (n = 10 per task).
+budget. The two best of nine on the training split (n = 10 per task); not adopted (protocol v2.1's text
+dimension chose ``vlcache_text_lean``, 0.825 against 0.615, but three folds lose one held-out item of 20 at
+5% or 10%; at 2% it keeps 0.20-0.85 of the RULER values, the default none).
 """
 
 from __future__ import annotations

@@ -254,3 +254,13 @@ def test_text_only_files_leave_the_image_dimension_undecided(tmp_path):
     assert summary["image"]["members"] == [] and summary["image"]["candidates"] == []
     md = (out / "protocol.md").read_text()
     assert NO_IMAGE_EVIDENCE in md and "No image member in these files: not measured." in md
+
+
+def test_one_image_member_is_not_decidable_and_adopts_nothing():
+    """A file with one image member (a timing run) leaves no member to leave out: the scores are shown, the
+    dimension is not decided (it used to stop with `min() arg is an empty sequence`)."""
+    train, heldout = _kinds(texts=[])
+    train, heldout = {"g": train["g"]}, {"g": heldout["g"]}
+    text, image = decide_kinds(train, heldout, BUDGETS)
+    assert image.note == "not decidable: 1 member" and image.decision is None and not image.adopted
+    assert image.choice.label == IMG  # the scores are still shown

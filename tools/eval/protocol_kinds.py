@@ -9,7 +9,7 @@ them. v2 scored one flat set of candidates over every member; v2.1 decides two d
   (``protocol_rules.decide``) over the real-text tasks that count and nothing else, the held-out check on
   every text task at every budget. Besides, on every image member whose held-out split ran both rows, the
   preset's row must give the current default's answers (per example): a row that does not is flagged and
-  not adopted. Fewer than two text tasks: not decidable (no member can be left out), nothing adopted.
+  not adopted. Fewer than two text tasks (or image members, for the image one): not decidable (no member can be left out), nothing adopted.
 - **image** (``decide_image``): v2 over the rows that set no text preset of their own (today: every row but
   ``text_preset``'s) and the image members; the text tasks take part (scores, folds, held-out checks) only
   when the text dimension adopted no preset. With a preset adopted the preset compresses text-only prompts
@@ -162,6 +162,10 @@ def decide_image(train: dict, heldout: dict, text_adopted: bool, budgets=BUDGETS
         return dim
     if not labels:
         dim.note = "not decidable: no candidate row on every image member"
+        return dim
+    if len(names) < 2:  # no member can be left out: the scores are shown, nothing is adopted
+        dim.choice = choose(train, names, labels, budgets)
+        dim.note = f"not decidable: {len(names)} member"
         return dim
 
     def checked(name: str, r: dict) -> bool:

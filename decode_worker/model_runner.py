@@ -110,8 +110,9 @@ class ModelRunner:
     decoding alone, whatever else is in the batch. A matmul's rounding depends on its shape (bfloat16 most
     visibly), which can flip a greedy token under load. On CPU every step then has one shape: the batch is
     cut into groups of ``INVARIANT_ROWS`` rows, the last one padded with rows that write and read no cache,
-    and each sequence attends alone; a row's result in a matmul of one shape does not depend on its place
-    or its neighbours (``tests/test_batch_invariant.py`` checks the logits bit for bit). On other devices
+    each sequence attends alone, and the step runs on one intra-op thread; a row's result in a matmul of one
+    shape on one thread does not depend on its place or its neighbours (with two threads it can: a small
+    model's row 4 of 5 did; ``tests/test_batch_invariant.py`` checks the logits bit for bit at 1 and 2). On other devices
     each sequence steps as a batch of one (their kernels are not checked here).
     """
 
@@ -131,7 +132,16 @@ class ModelRunner:
         leave each layer's per-token attention mass in ``last_mass`` ``[S, L, max_blocks * P]`` (CPU)."""
         if not self.batch_invariant:
             return self._step(batch, mass)
-        rows = self.INVARIANT_ROWS if self.device.type == "cpu" else 1
+        if self.device.type != "cpu":
+            return self._groups(batch, mass, 1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # more threads split a matmul by shape-dependent rules: a row's bits move
+        try:
+            return self._groups(batch, mass, self.INVARIANT_ROWS)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _groups(self, batch: list[StepInput], mass: bool, rows: int) -> torch.Tensor:
         groups = [batch[i : i + rows] for i in range(0, len(batch), rows)]
         if len(groups) == 1:
             return self._step(groups[0], mass, rows if rows > 1 else 0)

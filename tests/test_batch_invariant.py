@@ -56,16 +56,24 @@ def test_each_sequence_gets_its_solo_logits_and_mass(model):
         assert not runner.last_mass[i, :, width:].any()  # padding past its own blocks
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group", [3, 5])
-def test_groups_and_padding_rows_keep_the_solo_bits(model, monkeypatch, group):
+def test_groups_and_padding_rows_keep_the_solo_bits(model, monkeypatch, group, threads):
     """A batch longer than a group runs as several groups, the last padded with rows that touch no cache:
-    still every sequence's solo bits, and the cache holds what solo steps wrote."""
+    still every sequence's solo bits, and the cache holds what solo steps wrote; also when torch has two
+    threads (the step runs on one: with two, row 4 of a group of 5 got other bits than its solo step)."""
     monkeypatch.setattr(ModelRunner, "INVARIANT_ROWS", group)
-    cache, batch = _cache_and_batch(model)
-    runner = ModelRunner(model, cache, batch_invariant=True)
-    solo = [runner.step([seq]) for seq in batch]
-    k, v = cache.k.clone(), cache.v.clone()
-    logits = runner.step(batch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache, batch = _cache_and_batch(model)
+        runner = ModelRunner(model, cache, batch_invariant=True)
+        solo = [runner.step([seq]) for seq in batch]
+        k, v = cache.k.clone(), cache.v.clone()
+        logits = runner.step(batch)
+        assert torch.get_num_threads() == threads  # the step gives back the threads it took
+    finally:
+        torch.set_num_threads(before)
     for i, one in enumerate(solo):
         assert torch.equal(logits[i : i + 1], one), f"sequence {i}: batched logits differ from its solo step"
     assert torch.equal(cache.k, k) and torch.equal(cache.v, v)  # the padding rows wrote nothing

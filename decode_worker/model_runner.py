@@ -142,12 +142,11 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _groups(self, batch: list[StepInput], mass: bool, rows: int) -> torch.Tensor:
-        groups = [batch[i : i + rows] for i in range(0, len(batch), rows)]
-        if len(groups) == 1:
-            return self._step(groups[0], mass, rows if rows > 1 else 0)
+        """``batch`` in steps of ``rows`` sequences, each padded to ``rows`` rows (1: a batch of one, unpadded)."""
+        pad_to = rows if rows > 1 else 0
         logits, masses = [], []
-        for group in groups:
-            logits.append(self._step(group, mass, rows if rows > 1 else 0))
+        for i in range(0, len(batch), rows):
+            logits.append(self._step(batch[i : i + rows], mass, pad_to))
             masses.append(self.last_mass)
         if mass:  # each group's mass is as wide as its own blocks: pad to the batch's widest
             width = max(m.shape[-1] for m in masses)

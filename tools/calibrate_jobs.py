@@ -128,8 +128,8 @@ def run_chunks(
     jobs = max(1, min(jobs, max(len(phase) for phase in [*phases, rerank_chunks])))
     active, fingerprint, answers, cpu = None, "", [], {"agreement": 0.0, "re-rank": 0.0}
     with Progress(total=total, desc="calibrate", unit="prompt") as bar:
-        start = Pool if jobs > 1 else InProcess
-        with start(jobs, _run, _load, spec, bar=bar, label=where) as pool:
+        runner = Pool if jobs > 1 else InProcess
+        with runner(jobs, _run, _load, spec, bar=bar, label=where) as pool:
             for n, phase in enumerate(phases):
                 if n:
                     active = survivors(result.rows(), budgets, keep)

@@ -107,6 +107,33 @@ def test_post_vision_window_by_score_keeps_the_best_question_tokens():
     assert torch.equal(plain.select(scores, 40, 15), by_score.select(scores, 40, 15))
 
 
+def test_post_vision_window_in_the_first_layers_only():
+    """post_vision_layers=1: layer 0 keeps the question's window, every later layer the recent window alone,
+    through plan's layer index; the option round-trips and refuses a negative count."""
+    from vlkv.common.compression import policy_from_dict
+
+    m, k, tau, layers = 800, 40, 30, 3
+    col = torch.arange(m, dtype=torch.float32).flip(0).repeat(2, 1)  # older tokens score higher
+    stats = [_stats(col, tau)] * layers
+    keys = [torch.zeros(1, m, 4)] * layers
+    params = {"pool_kernel": 1, "lookahead": 0, "allocator": "uniform"}
+    first = get_policy("vlcache", post_vision_layers=1, **params)
+    window, none = get_policy("vlcache", **params), get_policy("vlcache", post_vision_window=False, **params)
+    kept = first.plan(stats, keys, keys, alpha=k / m, m=m, tau=tau)
+    with_window = torch.cat([torch.arange(k - 24), torch.arange(m - 24, m)])  # 20 of the question + 4 recent
+    recent_only = torch.cat([torch.arange(k - 4), torch.arange(m - 4, m)])
+    assert torch.equal(kept[0][0], with_window) and all(torch.equal(p[0], recent_only) for p in kept[1:])
+    assert torch.equal(kept[0], window.plan(stats, keys, keys, alpha=k / m, m=m, tau=tau)[0])
+    assert torch.equal(kept[2], none.plan(stats, keys, keys, alpha=k / m, m=m, tau=tau)[2])
+    every = get_policy("vlcache", post_vision_layers=5, **params).plan(
+        stats, keys, keys, alpha=k / m, m=m, tau=tau
+    )
+    assert all(torch.equal(p[0], with_window) for p in every)  # more layers than the model: every layer
+    assert policy_from_dict(first.to_dict()) == first
+    with pytest.raises(ValueError, match="post_vision_layers"):
+        get_policy("vlcache", post_vision_layers=-1)
+
+
 def test_sink_tokens_are_kept_before_scored_ones():
     m, k = 100, 10
     scores = torch.arange(m, dtype=torch.float32)[None]  # newer tokens score higher

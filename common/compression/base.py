@@ -55,6 +55,11 @@ class Policy:
     ``post_vision_slope * k / m`` of it (so at 10% with slope 5 the cap is 0.5, at 2% it is 0.1).
     post_vision_by_score: the post-vision window's slots go to the post-vision tokens with the best scores
     (the question's key words wherever they sit) rather than to the last ones.
+    post_vision_layers: with ``post_vision_window``, the window is kept in the first ``post_vision_layers``
+    layers only (0: every layer); the other layers keep the recent window alone and score the question's tokens
+    like any other. Layer 0's keys and values are the tokens' own embeddings, so the question's wording is
+    there only in its own tokens; deeper layers' last tokens already carry it (``common/compression/README.md``,
+    "the question window in the first layer").
     sink_tokens: the first tokens of the prompt are kept before any scored token (StreamingLLM's attention
     sinks), as far as the budget left after the windows allows, earliest first.
     row_normalized: score each token by its mean attention over the statistics rows that can see it (the
@@ -96,6 +101,7 @@ class Policy:
     post_vision_cap: float = 0.5
     post_vision_slope: float = 0.0
     post_vision_by_score: bool = False
+    post_vision_layers: int = 0
     sink_tokens: int = 0
     row_normalized: bool = False
     pool_kernel: int = 1
@@ -117,7 +123,15 @@ class Policy:
         for name in ("recent_ratio", "post_vision_cap", "layer_share", "lookahead_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("sink_tokens", "text_window", "question_min", "question_max", "span_after", "lookahead"):
+        for name in (
+            "sink_tokens",
+            "text_window",
+            "question_min",
+            "question_max",
+            "span_after",
+            "lookahead",
+            "post_vision_layers",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.question_max and self.question_min > self.question_max:
@@ -247,7 +261,7 @@ class Policy:
             sinks=self.sink_tokens,
         )
 
-    def select(self, scores: torch.Tensor, k: int, tau: int = 0) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, k: int, tau: int = 0, layer: int = 0) -> torch.Tensor:
         """Kept positions ``[H_kv, k]`` (int64, ascending, unique) from scores ``[H_kv, m]``.
 
         The last ``recent_count(k)`` positions are always kept. With ``post_vision_window`` and
@@ -257,10 +271,11 @@ class Policy:
         ``post_vision_by_score`` and a question longer than its share, the window's slots go to the
         best-scoring post-vision tokens instead of the last ones. ``sink_tokens`` first positions come
         next; the rest are the top scores among the earlier positions, chosen per KV head, in whole
-        chunks with ``chunk_size > 1`` (``selection.keep``).
+        chunks with ``chunk_size > 1`` (``selection.keep``). ``layer``: the layer's index; with
+        ``post_vision_layers`` the post-vision window is kept only below it.
         """
         m = scores.shape[-1]
-        window = self.post_vision_share(k, m) if self.post_vision_window else 0
+        window = self.post_vision_share(k, m) if self.has_post_vision_window(layer) else 0
         return keep(
             scores,
             k,
@@ -271,6 +286,11 @@ class Policy:
             sinks=self.sink_tokens,
             chunk=self.chunk_size,
         )
+
+    def has_post_vision_window(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps the post-vision window (``post_vision_window``, within the first
+        ``post_vision_layers`` layers when that is set)."""
+        return self.post_vision_window and (not self.post_vision_layers or layer < self.post_vision_layers)
 
     def post_vision_share(self, k: int, m: int) -> int:
         """How many of a layer's ``k`` slots the post-vision window may take outright
@@ -331,7 +351,7 @@ class Policy:
             if k_l >= m:
                 kept.append(torch.arange(m, device=keys.device).repeat(keys.shape[0], 1))
             else:
-                kept.append(self.select(scores[i].to(keys.device), k_l, tau))
+                kept.append(self.select(scores[i].to(keys.device), k_l, tau, layer=i))
         return kept
 
     def compress(

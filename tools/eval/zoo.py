@@ -150,6 +150,8 @@ ABLATION = (
         "vlcache",
         {"allocator": {"name": "draft_mass", "weight": 1.0}, "post_vision_window": False},
     ),
+    ("window: first layer only", "vlcache", {"post_vision_layers": 1}),
+    ("window: first 2 layers only", "vlcache", {"post_vision_layers": 2}),
 )
 
 

@@ -112,7 +112,14 @@ def test_text_span_is_vlcache_lookup_with_a_question_sized_window_and_longer_spa
 
 
 @pytest.mark.parametrize(
-    "name", ["vlcache_lookup", "vlcache_text_span", "vlcache_text_lean", "vlcache_text_lean_sinks2"]
+    "name",
+    [
+        "vlcache_lookup",
+        "vlcache_text_span",
+        "vlcache_text_lean",
+        "vlcache_text_lean_sinks2",
+        "vlcache_text_lean_w24",
+    ],
 )
 def test_text_preset_rows_the_protocol_reads_as_text_presets(name):
     from vlkv.tools.eval.protocol_kinds import text_rows
@@ -132,3 +139,15 @@ def test_lean_presets_keep_the_long_value_at_2_percent_where_text_span_runs_out(
     assert _kept_value("vlcache_text_lean", 0.02) == [len(LONG_VALUE)] * LAYERS
     assert _kept_value("vlcache_text_lean_sinks2", 0.02) == [len(LONG_VALUE) - 1] * LAYERS
     assert _kept_value("vlcache_text_lean", 0.05) == [len(LONG_VALUE)] * LAYERS
+
+
+def test_lean_w24_is_lean_with_the_default_window_and_keeps_its_2_percent_value():
+    lean, w24 = preset("vlcache_text_lean"), preset("vlcache_text_lean_w24")
+    assert (w24.text_window, lean.text_window) == (24, 20) == (preset("vlcache_text_span").text_window, 20)
+    same = {k: v for k, v in w24.to_dict().items() if k != "text_window"}
+    assert same == {k: v for k, v in lean.to_dict().items() if k != "text_window"}
+    assert policy_from_dict(w24.to_dict()) == w24
+    # the 24 rows still hold the question's key row, and without the recent window the 12-token spans fit the
+    # whole value at 2% where vlcache_text_span keeps 7 of its 12 tokens
+    assert _kept_value("vlcache_text_lean_w24", 0.02) == [len(LONG_VALUE)] * LAYERS
+    assert _kept_value("vlcache_text_lean_w24", 0.05) == [len(LONG_VALUE)] * LAYERS

@@ -91,6 +91,7 @@ ABLATION = (
         "vlcache",
         {"text_preset": "vlcache_text_lean_sinks2"},
     ),
+    ("text-only prompts: preset vlcache_text_lean_w24", "vlcache", {"text_preset": "vlcache_text_lean_w24"}),
     ("allocator: Algorithm 1", "vlcache", {"allocator": "sparsity"}),
     ("allocator: uniform", "vlcache", {"allocator": "uniform"}),
     ("allocator: mixed (0.8 uniform + 0.2 Algorithm 1)", "vlcache", {"allocator": "mixed"}),

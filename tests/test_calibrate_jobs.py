@@ -9,9 +9,25 @@ import multiprocessing
 
 import pytest
 import torch
-from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv.tools.calibrate import calibrate, chunk_phases
+from vlkv.common.config import DEFAULT_MODEL_DIR, Limits, ModelConfig
+from vlkv.common.model.loading import load_model, load_processor
+from vlkv.tools import calibrate as calibrate_module
+from vlkv.tools import calibrate_jobs
+from vlkv.tools.calibrate import (
+    CANDIDATES,
+    Calibration,
+    _examples,
+    _RenderedTask,
+    calibrate,
+    chunk_phases,
+    keep_for_rerank,
+    measure_chunk,
+    rerank_chunk,
+)
+from vlkv.tools.calibrate_answers import generation_suffix
+from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.cli import main
+from vlkv.tools.eval.evaluation import prepare
 
 from tests.calib_prompts import synthetic_prompts
 
@@ -33,7 +49,7 @@ def _run(prompts, tmp_path, name, jobs, **kw):
             BUDGETS,
             tokens=4,
             out=str(tmp_path / f"{name}.json"),
-            chunk=1,
+            chunk=kw.pop("chunk", 1),
             trace=str(tmp_path / f"{name}.jsonl"),
             jobs=jobs,
             **kw,
@@ -70,6 +86,52 @@ def test_two_workers_rerank_as_one_process(prompts, tmp_path):
     lengths = [{len(v) for v in json.loads(line).values()} for line in one_trace.splitlines()]
     assert lengths[0] == lengths[1] == {2, 3} and lengths[2] == {2}  # the third prompt: not re-ranked
     assert not multiprocessing.active_children()
+
+
+def test_the_rerank_pass_prefills_no_prompt_twice(prompts, tmp_path, monkeypatch):
+    """The re-ranked prompts' prefills are the measure pass's, kept in the worker (``--jobs 1``: this
+    process, so every prefill is counted here): each prompt prefilled once, with and without screening."""
+    prefilled: list[str] = []
+
+    def counting(model, processor, examples, **kw):
+        prefilled.extend(e.name for e in examples)
+        return prepare(model, processor, examples, **kw)
+
+    monkeypatch.setattr(calibrate_jobs, "prepare", counting)
+    monkeypatch.setattr(calibrate_module, "prepare", counting)
+    for screen in (0, 1):  # screen 1, chunk 2: the rerank chunk (0, 2) spans prompts of both phases
+        prefilled.clear()
+        kw = {"rerank": 1, "rerank_prompts": 3, "screen": screen, "chunk": 2}
+        profile, _ = _run(prompts, tmp_path, f"count{screen}", 1, **kw)
+        assert profile["measure"]["rerank_prompts"] == 3
+        assert sorted(prefilled) == sorted(set(prefilled)) and len(prefilled) == 3
+
+
+def test_recalls_from_kept_prefills_equal_a_new_prefills(prompts):
+    """``rerank_chunk`` on the measure pass's prefills (``keep_for_rerank``: the queries freed, the statistics
+    and draft kept) gives the recalls of the old path, which prefilled the prompts again."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR), dtype="float32"))
+        processor = load_processor(str(DEFAULT_MODEL_DIR))
+        requests, _ = read_prompts(str(prompts))
+        examples = list(_examples(requests, processor, Limits()))
+        prepared = prepare(
+            model, processor, examples, progress=False, task=_RenderedTask, next_attention=False
+        )
+        measure_chunk(model, prepared, BUDGETS, 8, Calibration())
+        for p in prepared:
+            keep_for_rerank(p)
+            assert p.q == []
+        chosen = {b: {label for label, _ in CANDIDATES[::3]} for b in BUDGETS}
+        args = (model, processor, generation_suffix(processor), requests, BUDGETS, 8, chosen)
+        kept = rerank_chunk(*args, kept=prepared)
+        again = rerank_chunk(*args)  # the old path: every prompt prefilled here
+        mixed = rerank_chunk(*args, kept=[prepared[0], None, prepared[2]])
+    finally:
+        torch.set_num_threads(threads)
+    assert kept == again == mixed and len(kept) == 3 and len(kept[0]) == len(chosen[0.05]) * 2
 
 
 def test_a_workers_error_names_its_prompts_and_stops_every_worker(prompts, tmp_path, capsys):

@@ -46,6 +46,21 @@ def _label(item) -> str:
     return f"item {item[0]} {item[1]}"
 
 
+def test_an_item_sent_to_a_worker_runs_there_and_placed_says_where():
+    bar = Progress(total=0, disable=True)
+    with Pool(2, _work, _setup, {}, bar=bar, label=_label) as pool:
+        first = pool.run([("square", 1), ("square", 2), ("square", 3)])
+        pid = {w: p.pid for w, p in enumerate(pool.procs)}
+        assert [pid[w] for w in pool.placed] == [r[1] for r in first]
+        # every item to worker 1, then one to worker 0 last: worker 0 does not take worker 1's items
+        items = [("sleep", 0.2), ("square", 4), ("square", 5), ("square", 6)]
+        second = pool.run(items, to=[1, 1, 1, 0])
+        assert [r[1] for r in second] == [pid[1], pid[1], pid[1], pid[0]] and pool.placed == [1, 1, 1, 0]
+        with pytest.raises(ValueError, match="one worker in 0..1"):
+            pool.run([("square", 1)], to=[2])
+    assert [r[0] for r in second[1:]] == [16, 25, 36]
+
+
 def test_two_batches_keep_their_order_and_one_setup_per_worker():
     bar = Progress(total=0, disable=True)
     with Pool(2, _work, _setup, {}, bar=bar, label=_label) as pool:

@@ -60,7 +60,8 @@ niah_single_1 chose a preset that keeps none of the values (``common/compression
 DEFAULT_RERANK_PROMPTS = 40
 """``--rerank``'s prompts: the first 40 (the re-ranking that fixed ``needle`` at 2% and kept ``smol_codes``' 2%
 gain was measured on 40 of 100, ``common/compression/README.md``). The rerank set is still chosen on every
-prompt's agreement; the pass's cost is a prefill and the decode of ~20 caches per re-ranked prompt."""
+prompt's agreement; the pass's cost is the decode of ~20 caches per re-ranked prompt (its prefill is the
+measure pass's, kept by the worker that measured it: ``keep_for_rerank``)."""
 THRESHOLD = 0.01
 _VL = {"policy": "vlcache"}
 # (label, policy dict): the declared grid, one change at a time from the default (at most two: the window
@@ -312,13 +313,38 @@ def recall_chunk(model, tokenizer, suffix: str, prepared, prompts, budgets, toke
     return out
 
 
-def rerank_chunk(model, processor, suffix: str, requests, budgets, tokens: int, chosen) -> list[dict]:
+def rerank_chunk(
+    model, processor, suffix: str, requests, budgets, tokens: int, chosen, kept: list | None = None
+) -> list[dict]:
     """``--rerank``'s work on a chunk of prompts (a worker's, or the calling process's with ``--jobs 1``):
-    prefilled again, then ``recall_chunk``."""
-    examples = list(_examples(requests, processor, Limits()))
-    prepared = prepare(model, processor, examples, progress=False, task=_RenderedTask, next_attention=False)
-    prompts = [e.prompt for e in examples]
+    ``recall_chunk`` on their prefills. ``kept``: per request its ``Prepared`` from the measure pass
+    (``keep_for_rerank``), None where it was not kept; those are prefilled here (each prompt's prefill is its
+    own, so a kept one and a new one are the same numbers)."""
+    kept = list(kept) if kept is not None else [None] * len(requests)
+    missing = [req for req, p in zip(requests, kept, strict=True) if p is None]
+    fresh = iter(
+        prepare(
+            model,
+            processor,
+            list(_examples(missing, processor, Limits())),
+            progress=False,
+            task=_RenderedTask,
+            next_attention=False,
+        )
+        if missing
+        else ()
+    )
+    prepared = [p if p is not None else next(fresh) for p in kept]
+    prompts = [p.example.prompt for p in prepared]
     return recall_chunk(model, processor.tokenizer, suffix, prepared, prompts, budgets, tokens, chosen)
+
+
+def keep_for_rerank(p) -> None:
+    """After ``measure_chunk``, what ``recall_chunk`` needs of prefill ``p`` kept and the rest freed: its
+    queries (the largest part of a prefill) go; the statistics and the draft every measured candidate read
+    stay cached in ``p``, and the re-ranked candidates are among the measured ones (``rerank_set``), so
+    their caches are the same bits. A statistic not computed raises rather than being read wrong."""
+    p.q = []
 
 
 def chunk_phases(n: int, cut: int, chunk: int) -> list[list[tuple[int, int]]]:

@@ -10,7 +10,11 @@ bit-identical). Screening (``--screen``) is two batches on the same workers, the
 screening prompts' chunks, then, once the parent has computed ``survivors`` from those prompts alone, the
 rest with them. ``--rerank`` is one more batch on the same workers: once the parent has the whole table and
 so the rerank set (``calibrate.rerank_set``), the first ``--rerank-prompts`` prompts' chunks go through
-``calibrate.rerank_chunk``; each prompt's answer recalls come back in prompt order.
+``calibrate.rerank_chunk``; each prompt's answer recalls come back in prompt order. Those prompts are not
+prefilled again: the worker that measured one keeps its prefill (``calibrate.keep_for_rerank``: the queries
+freed, the statistics and draft every candidate read kept) and the parent sends each re-rank chunk to the
+worker that kept its first prompt (``Pool.run``'s ``to``); a prompt of the chunk kept elsewhere (a screening
+phase cut the chunks differently) is prefilled there, the same numbers (each prompt's prefill is its own).
 
 The parent shows one progress bar over the prompts (the re-ranked ones counted again) and, on stderr at the
 end, the CPU seconds the chunks took in the workers per pass. A chunk's error (or a worker that dies) stops
@@ -28,6 +32,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.tools.calibrate import (
     _examples,
     _RenderedTask,
+    keep_for_rerank,
     measure_chunk,
     rerank_chunk,
     rerank_set,
@@ -43,6 +48,9 @@ FINGERPRINT = "the model's fingerprint"
 """The item that asks a worker for the loaded model's fingerprint (the profile's ``model``)."""
 RERANK = "rerank"
 """An item ``(RERANK, start, end, chosen)``: ``--rerank``'s answer recalls of those prompts."""
+KEPT = "kept"
+"""A worker's state key: ``{prompt index: Prepared}``, the prefills of the re-ranked prompts it measured,
+kept (``calibrate.keep_for_rerank``) until the re-rank pass reads them."""
 
 
 class _PerPrompt:
@@ -70,13 +78,15 @@ def _load(spec: tuple) -> dict:
         "requests": requests,
         "budgets": budgets,
         "tokens": tokens,
+        KEPT: {},
     }
 
 
 def _run(item, state: dict, bar) -> tuple[list[dict] | str, float]:
-    """One item in a worker: a chunk ``(start, end, active)``'s scores per prompt in order, a ``RERANK``
-    chunk's recalls per prompt (``{"candidate|budget": recall}``), or the fingerprint; with the CPU seconds
-    it took."""
+    """One item in a worker: a chunk ``(start, end, active, reranked)``'s scores per prompt in order (the
+    prefills of its prompts before ``reranked`` kept for the re-rank pass), a ``RERANK`` chunk's recalls per
+    prompt (``{"candidate|budget": recall}``, from the kept prefills; a prompt this worker did not measure
+    is prefilled), or the fingerprint; with the CPU seconds it took."""
     model, processor = state["model"], state["processor"]
     cpu = time.process_time()
     if item == FINGERPRINT:
@@ -84,17 +94,21 @@ def _run(item, state: dict, bar) -> tuple[list[dict] | str, float]:
     if item[0] == RERANK:
         _, start, end, chosen = item
         requests = state["requests"][start:end]
+        kept = [state[KEPT].pop(i, None) for i in range(start, end)]
         recalls = rerank_chunk(
-            model, processor, state["suffix"], requests, state["budgets"], state["tokens"], chosen
+            model, processor, state["suffix"], requests, state["budgets"], state["tokens"], chosen, kept
         )
         bar.update(end - start)
         out = [{f"{label}|{b:g}": v for (label, b), v in one.items()} for one in recalls]
         return out, time.process_time() - cpu
-    start, end, active = item
+    start, end, active, reranked = item
     examples = list(_examples(state["requests"][start:end], processor, Limits()))
     prepared = prepare(model, processor, examples, progress=False, task=_RenderedTask, next_attention=False)
     out = _PerPrompt()
     measure_chunk(model, prepared, state["budgets"], state["tokens"], out, active)
+    for i, p in enumerate(prepared[: max(0, reranked - start)]):
+        keep_for_rerank(p)
+        state[KEPT][start + i] = p
     bar.update(end - start)
     return out.trace, time.process_time() - cpu
 
@@ -127,14 +141,20 @@ def run_chunks(
     total += sum(end - start for start, end in rerank_chunks) if rerank else 0
     jobs = max(1, min(jobs, max(len(phase) for phase in [*phases, rerank_chunks])))
     active, fingerprint, answers, cpu = None, "", [], {"agreement": 0.0, "re-rank": 0.0}
+    reranked = rerank_chunks[-1][1] if rerank and rerank_chunks else 0  # the re-ranked prompts: the first
+    owner: dict[int, int] = {}  # a kept prompt -> the worker that measured it and keeps its prefill
     with Progress(total=total, desc="calibrate", unit="prompt") as bar:
         runner = Pool if jobs > 1 else InProcess
         with runner(jobs, _run, _load, spec, bar=bar, label=where) as pool:
             for n, phase in enumerate(phases):
                 if n:
                     active = survivors(result.rows(), budgets, keep)
-                items = [(start, end, active) for start, end in phase] + ([] if n else [FINGERPRINT])
+                items = [(start, end, active, reranked) for start, end in phase] + (
+                    [] if n else [FINGERPRINT]
+                )
                 chunks = pool.run(items)
+                for (start, end), w in zip(phase, pool.placed, strict=False):  # the fingerprint after them
+                    owner.update((i, w) for i in range(start, min(end, reranked)))
                 fingerprint = chunks.pop()[0] if not n else fingerprint
                 for per_prompt, seconds in chunks:
                     cpu["agreement"] += seconds
@@ -145,7 +165,8 @@ def run_chunks(
                             result.add(key, agreement, kl)
             if rerank and rerank_chunks:
                 chosen = rerank_set(result.rows(), budgets, rerank)
-                for recalls, seconds in pool.run([(RERANK, a, b, chosen) for a, b in rerank_chunks]):
+                items = [(RERANK, a, b, chosen) for a, b in rerank_chunks]
+                for recalls, seconds in pool.run(items, to=[owner.get(a) for a, _ in rerank_chunks]):
                     cpu["re-rank"] += seconds
                     answers += recalls
     spent = ", ".join(f"{name} {s:.0f} s" for name, s in cpu.items() if s)

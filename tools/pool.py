@@ -4,7 +4,9 @@
 (``OMP_NUM_THREADS=1`` at spawn, ``torch.set_num_threads(1)``). Each runs ``setup(spec)`` once (calibrate
 loads its model there; without ``setup`` the state is ``spec``), then ``work(item, state, bar)`` for every
 item it is handed. ``Pool.run(items)`` is one batch: the parent hands the next item to whichever worker is
-free, in the order given, and returns the results in that order (``on_result(i, result)`` as each comes).
+free, in the order given, and returns the results in that order (``on_result(i, result)`` as each comes);
+``Pool.run(items, to=workers)`` sends an item to the worker named for it (calibrate's re-rank chunks to the
+worker that kept their prefills), ``pool.placed`` says which worker ran each item of the last batch.
 The workers stay up between batches, so a second batch (calibrate's prompts after its screening) finds the
 model loaded. Everything a worker says comes back to the parent: steps for the parent's one bar
 (``bar.update(n)`` in ``work``), a result, or an error. The parent's bar names the items in flight.
@@ -142,6 +144,7 @@ class Pool:
         self.conns, self.procs = [], []
         self.ready: set[int] = set()  # set up (its setup done)
         self.flight: dict[int, int] = {}  # worker -> the index of its item in the batch
+        self.placed: list[int] = []  # the last batch's worker per item
         try:
             with one_thread_env():
                 for _ in range(jobs):
@@ -164,14 +167,25 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, items: Sequence, on_result: Callable[[int, Any], None] | None = None) -> list:
-        """Every item on the workers, handed out in order; their results in that order. Raises
+    def run(
+        self,
+        items: Sequence,
+        on_result: Callable[[int, Any], None] | None = None,
+        to: Sequence[int | None] | None = None,
+    ) -> list:
+        """Every item on the workers, handed out in order; their results in that order. ``to``: per item the
+        worker that must run it (one that kept what the item needs in its state), None for any; a worker
+        takes the first item left that it may run. ``placed`` then says which worker ran each item. Raises
         ``WorkerFailed`` (every worker stopped) when an item fails or a worker dies."""
         results: dict[int, Any] = {}
-        todo = iter(range(len(items)))
+        to = list(to) if to is not None else [None] * len(items)
+        if len(to) != len(items) or any(w is not None and not 0 <= w < len(self.procs) for w in to):
+            raise ValueError(f"to: one worker in 0..{len(self.procs) - 1} or None per item, got {to}")
+        todo = list(range(len(items)))
+        self.placed = [0] * len(items)
         try:
             for w in range(len(self.procs)):
-                self._hand(w, todo, items)
+                self._hand(w, todo, items, to)
             while len(results) < len(items):
                 ready = wait(self.conns + [p.sentinel for p in self.procs], timeout=POLL_S)
                 for w, conn in enumerate(self.conns):
@@ -189,7 +203,7 @@ class Pool:
                             results[i] = result
                             if on_result is not None:
                                 on_result(i, result)
-                            self._hand(w, todo, items)
+                            self._hand(w, todo, items, to)
                 if self.bar is not None:
                     self.bar.update(0)
                     self.bar.set_postfix(", ".join(self.label(items[i]) for i in self.flight.values()))
@@ -198,11 +212,15 @@ class Pool:
             raise
         return [results[i] for i in range(len(items))]
 
-    def _hand(self, w: int, todo, items) -> None:
-        i = next(todo, None)
-        if i is not None:
-            self.conns[w].send((i, items[i]))
-            self.flight[w] = i
+    def _hand(self, w: int, todo: list[int], items, to: list[int | None]) -> None:
+        """Worker ``w``'s next item: the first one left that any worker or ``w`` itself may run."""
+        for n, i in enumerate(todo):
+            if to[i] is None or to[i] == w:
+                del todo[n]
+                self.conns[w].send((i, items[i]))
+                self.flight[w] = i
+                self.placed[i] = w
+                return
 
     def _receive(self, w: int, items) -> tuple | None:
         """Worker ``w``'s next message; None when it has none yet; ``WorkerFailed`` for an error or a death."""
@@ -260,6 +278,7 @@ class InProcess:
             raise ValueError(f"InProcess runs one job, got {jobs}")
         self.work, self.bar, self.label = work, bar, label
         self.state = setup(spec) if setup is not None else spec
+        self.placed: list[int] = []
 
     def __enter__(self) -> InProcess:
         return self
@@ -267,8 +286,16 @@ class InProcess:
     def __exit__(self, *exc) -> None:
         pass
 
-    def run(self, items: Sequence, on_result: Callable[[int, Any], None] | None = None) -> list:
-        """Every item here, in order; their results in that order."""
+    def run(
+        self,
+        items: Sequence,
+        on_result: Callable[[int, Any], None] | None = None,
+        to: Sequence[int | None] | None = None,
+    ) -> list:
+        """Every item here, in order; their results in that order (``to``: as ``Pool.run``'s, 0 or None)."""
+        if to is not None and any(w not in (0, None) for w in to):
+            raise ValueError(f"InProcess has worker 0 only, got {list(to)}")
+        self.placed = [0] * len(items)
         results = []
         for i, item in enumerate(items):
             if self.bar is not None:

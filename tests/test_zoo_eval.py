@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vlkv.tools.eval import zoo_text
-from vlkv.tools.eval.zoo import ABLATION, _configs
+from vlkv.tools.eval.zoo import ABLATION, _command, _configs
 from vlkv.tools.eval.zoo_scoring import FULL, _decode_unique
 from vlkv.tools.progress import Progress
 
@@ -184,3 +184,9 @@ def test_window_off_with_the_full_draft_weight_is_an_image_row():
     # today's text preset is kept, so protocol v2.1 reads it as an image-dimension candidate
     assert policy.text_preset == get_policy("vlcache").text_preset
     assert label not in text_rows(rows, "vlcache (defaults)")
+
+
+def test_the_recorded_command_names_a_seed_other_than_the_default():
+    args = SimpleNamespace(n=100, members="text", rows="", jobs="1", seed=2, ablation=True)
+    assert " --seed 2" in _command(args, "heldout")
+    assert "--seed" not in _command(SimpleNamespace(**{**vars(args), "seed": 0}), "heldout")

@@ -395,6 +395,8 @@ def _command(args, split: str) -> str:
         " --api" if getattr(args, "api", False) else ""
     )
     cmd = f"vlkv eval --zoo{flags} -n {args.n} --split {split}"
+    if getattr(args, "seed", 0):
+        cmd += f" --seed {args.seed}"
     if getattr(args, "members", ""):
         cmd += f" --members {args.members}"
     if getattr(args, "rows", ""):

@@ -32,7 +32,9 @@ BUDGETS = (0.05, 0.1)
 def profile_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("calibrate")
     prompts = synthetic_prompts(out, 2, seed=3)
-    path, _, _ = calibrate(str(DEFAULT_MODEL_DIR), str(prompts), BUDGETS, tokens=4, out=str(out / "p.json"))
+    path, _, _ = calibrate(
+        str(DEFAULT_MODEL_DIR), str(prompts), BUDGETS, tokens=4, out=str(out / "p.json"), rerank=0
+    )
     return path
 
 
@@ -105,6 +107,7 @@ def test_a_screened_calibration_measures_the_survivors_on_every_prompt(tmp_path)
         screen=1,
         keep=2,
         trace=str(trace),
+        rerank=0,
     )
     assert read_profile(path).measure["screen"] == 1
     by_prompts = {}

@@ -15,6 +15,7 @@ from vlkv.tools import calibrate as calibrate_module
 from vlkv.tools import calibrate_jobs
 from vlkv.tools.calibrate import (
     CANDIDATES,
+    DEFAULT_RERANK,
     Calibration,
     _examples,
     _RenderedTask,
@@ -50,6 +51,7 @@ def _run(prompts, tmp_path, name, jobs, **kw):
             tokens=4,
             out=str(tmp_path / f"{name}.json"),
             chunk=kw.pop("chunk", 1),
+            rerank=kw.pop("rerank", 0),
             trace=str(tmp_path / f"{name}.jsonl"),
             jobs=jobs,
             **kw,
@@ -86,6 +88,25 @@ def test_two_workers_rerank_as_one_process(prompts, tmp_path):
     lengths = [{len(v) for v in json.loads(line).values()} for line in one_trace.splitlines()]
     assert lengths[0] == lengths[1] == {2, 3} and lengths[2] == {2}  # the third prompt: not re-ranked
     assert not multiprocessing.active_children()
+
+
+def test_rerank_4_is_the_default_and_0_turns_it_off():
+    import inspect
+
+    from vlkv.tools.cli import main as cli_main
+
+    seen: list[int] = []
+
+    def parsed(args) -> int:  # the parsed flags, no calibration
+        seen.append(args.rerank)
+        return 0
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("vlkv.tools.cli.cmd_calibrate", parsed)
+        cli_main(["calibrate", "--prompts", "p.jsonl"])
+        cli_main(["calibrate", "--prompts", "p.jsonl", "--rerank", "0"])
+    assert seen == [DEFAULT_RERANK, 0] and DEFAULT_RERANK == 4
+    assert inspect.signature(calibrate).parameters["rerank"].default == DEFAULT_RERANK
 
 
 def test_the_rerank_pass_prefills_no_prompt_twice(prompts, tmp_path, monkeypatch):

@@ -697,10 +697,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rerank",
         type=int,
-        default=0,
+        default=4,
         help="per budget decode the K best by agreement and the default free-running and rank them by answer "
         "recall first: the share of the full cache's answer words the question does not give found in theirs, "
-        "each word weighted by its rarity in the prompt, 1/(1 + its count) (0: off)",
+        "each word weighted by its rarity in the prompt, 1/(1 + its count) (default 4; 0: off, the agreement "
+        "ranking alone)",
     )
     p.add_argument(
         "--rerank-prompts",

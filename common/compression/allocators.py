@@ -27,6 +27,7 @@ from .budgets import (
     fit_total,
     mixed_budgets,
     pyramid_budgets,
+    raise_to_floors,
     sparsity_budgets,
     uniform_budgets,
 )
@@ -206,17 +207,34 @@ class DraftMass(Allocator):
     budgets: ``weight`` of the total goes where the draft's attention mass is best covered (greedy marginal
     gains over all layers, :func:`lookahead.draft_mass_budgets`), ``1 - weight`` as ``Pyramid(beta)``; the
     blend is fitted to the same total under ``[1, m]``. Without draft rows (``lookahead`` 0, a draft that
-    ended at once, a policy that drafts nothing) it is ``Pyramid(beta)`` exactly."""
+    ended at once, a policy that drafts nothing) it is ``Pyramid(beta)`` exactly.
+
+    floor_layers: the first n layers keep at least their ``Pyramid(beta)`` budget (the draft's split starts
+    them there and spends the rest by the gains; the blend and its fit keep them there); 0, the default, is
+    the plain rule, the same budgets; n >= L is ``Pyramid(beta)``. Serialized only when not 0."""
 
     name = "draft_mass"
     needs_stats = True
     weight: float = 0.5
     beta: float = 4.0
+    floor_layers: int = 0
 
     def __post_init__(self) -> None:
         _unit("draft_mass", "weight", self.weight)
         if not self.beta >= 1.0:
             raise ValueError(f"draft_mass beta must be >= 1, got {self.beta}")
+        if (
+            isinstance(self.floor_layers, bool)
+            or not isinstance(self.floor_layers, int)
+            or self.floor_layers < 0
+        ):
+            raise ValueError(f"draft_mass floor_layers must be an integer >= 0, got {self.floor_layers!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.floor_layers == 0:  # files and profiles written before the field read the same
+            del data["floor_layers"]
+        return data
 
     def budgets(self, stats, alpha, m, L):
         pyramid = pyramid_budgets(L, alpha, m, beta=self.beta)
@@ -226,11 +244,18 @@ class DraftMass(Allocator):
         total = sum(pyramid)
         if gains.shape != (L, m):
             raise ValueError(f"draft gains {tuple(gains.shape)} are not [L={L}, m={m}]")
-        draft = draft_mass_budgets(gains, total)
+        if self.floor_layers == 0:
+            draft = draft_mass_budgets(gains, total)
+            floors = None
+        else:
+            n = min(self.floor_layers, L)
+            floors = pyramid[:n] + [1] * (L - n)
+            draft = draft_mass_budgets(gains, total, floors=floors)
         if self.weight == 1.0:
             return draft
         blend = [(1.0 - self.weight) * p + self.weight * d for p, d in zip(pyramid, draft, strict=True)]
-        return fit_total(blend, total, 1, m)
+        fitted = fit_total(blend, total, 1, m)
+        return fitted if floors is None else raise_to_floors(fitted, floors)
 
 
 ALLOCATORS: tuple[str, ...] = allocator_names()  # the built-in allocators

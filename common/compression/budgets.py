@@ -76,6 +76,22 @@ def fit_total(weights: Sequence[float], total: int, lo: int, hi: int) -> list[in
     return base
 
 
+def raise_to_floors(budgets: Sequence[int], floors: Sequence[int]) -> list[int]:
+    """``budgets`` with every layer below its floor raised to it, the tokens taken one at a time from the
+    layer furthest above its own floor (ties: the later layer), so the sum is kept. ValueError when the
+    floors sum to more than the budgets."""
+    out = [int(b) for b in budgets]
+    need = [int(f) for f in floors]
+    if len(need) != len(out) or sum(need) > sum(out):
+        raise ValueError(f"floors {need} cannot be met within budgets {out}")
+    for i in range(len(out)):
+        while out[i] < need[i]:
+            j = max(range(len(out)), key=lambda k: (out[k] - need[k], k))
+            out[j] -= 1
+            out[i] += 1
+    return out
+
+
 def sparsity_budgets(
     layer_sparsity: Sequence[float] | torch.Tensor, alpha: float, m: int, *, exact: bool = False
 ) -> list[int]:

@@ -92,13 +92,19 @@ def draft_gains(stats_per_layer: Sequence[AttentionStatsLike]) -> torch.Tensor |
     return torch.stack(rows) if rows else None
 
 
-def draft_mass_budgets(gains: torch.Tensor, total: int) -> list[int]:
+def draft_mass_budgets(gains: torch.Tensor, total: int, floors: Sequence[int] | None = None) -> list[int]:
     """Per-layer budgets, each in ``[1, m]`` and summing to ``total`` (clamped to ``[L, L * m]``), that cover
     the most draft attention (:func:`draft_gains`): one token per layer, then the ``total - L`` largest
     marginal gains over all layers (a stable sort: ties go to the earlier layer, then the earlier slot). The
     gains fall along a row, so this maximises the summed coverage, as the oracle's own budgets do with the
-    answer's attention."""
+    answer's attention.
+
+    floors: per layer the tokens it starts with instead of one (each clamped to ``[1, m]``; ``total`` is then
+    clamped to ``[sum(floors), L * m]``); the rest goes to the largest gains after each layer's floor, so no
+    layer ends below its floor. None (or every floor 1) is the plain rule above."""
     layers, m = gains.shape
+    if floors is not None and any(int(f) > 1 for f in floors):
+        return _floored_budgets(gains, total, floors)
     total = min(max(int(total), layers), layers * m)
     extra = total - layers
     if extra == 0:  # also every m == 1
@@ -107,3 +113,19 @@ def draft_mass_budgets(gains: torch.Tensor, total: int) -> list[int]:
     order = torch.sort(-rest, stable=True).indices[:extra]
     counts = torch.bincount(order // (m - 1), minlength=layers)
     return [1 + int(c) for c in counts.tolist()]
+
+
+def _floored_budgets(gains: torch.Tensor, total: int, floors: Sequence[int]) -> list[int]:
+    layers, m = gains.shape
+    if len(floors) != layers:
+        raise ValueError(f"{len(floors)} floors for {layers} layers")
+    start = [min(max(int(f), 1), m) for f in floors]
+    total = min(max(int(total), sum(start)), layers * m)
+    extra = total - sum(start)
+    if extra == 0:
+        return start
+    free = torch.arange(m).unsqueeze(0) >= torch.tensor(start).unsqueeze(1)  # [L, m]: slots past the floor
+    layer_of = torch.arange(layers).unsqueeze(1).expand(layers, m).masked_select(free)
+    order = torch.sort(-gains.masked_select(free), stable=True).indices[:extra]  # row-major, as above
+    counts = torch.bincount(layer_of[order], minlength=layers)
+    return [s + int(c) for s, c in zip(start, counts.tolist(), strict=True)]

@@ -153,6 +153,16 @@ ABLATION = (
     ),
     ("window: first layer only", "vlcache", {"post_vision_layers": 1}),
     ("window: first 2 layers only", "vlcache", {"post_vision_layers": 2}),
+    (
+        "allocator: draft mass (w 0.5, pyramid floor in layer 0) + window: none",
+        "vlcache",
+        {"allocator": {"name": "draft_mass", "weight": 0.5, "floor_layers": 1}, "post_vision_window": False},
+    ),
+    (
+        "allocator: draft mass (w 0.5, pyramid floor in layers 0-1) + window: none",
+        "vlcache",
+        {"allocator": {"name": "draft_mass", "weight": 0.5, "floor_layers": 2}, "post_vision_window": False},
+    ),
 )
 
 

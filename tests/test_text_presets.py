@@ -119,6 +119,8 @@ def test_text_span_is_vlcache_lookup_with_a_question_sized_window_and_longer_spa
         "vlcache_text_lean",
         "vlcache_text_lean_sinks2",
         "vlcache_text_lean_w24",
+        "vlcache_text_lean_w24_skip32",
+        "vlcache_text_span_skip32",
     ],
 )
 def test_text_preset_rows_the_protocol_reads_as_text_presets(name):
@@ -151,3 +153,20 @@ def test_lean_w24_is_lean_with_the_default_window_and_keeps_its_2_percent_value(
     # whole value at 2% where vlcache_text_span keeps 7 of its 12 tokens
     assert _kept_value("vlcache_text_lean_w24", 0.02) == [len(LONG_VALUE)] * LAYERS
     assert _kept_value("vlcache_text_lean_w24", 0.05) == [len(LONG_VALUE)] * LAYERS
+
+
+@pytest.mark.parametrize(
+    ("name", "parent"),
+    [
+        ("vlcache_text_lean_w24_skip32", "vlcache_text_lean_w24"),
+        ("vlcache_text_span_skip32", "vlcache_text_span"),
+    ],
+)
+def test_skip32_presets_are_their_parents_with_the_first_32_positions_spreading_half(name, parent):
+    child, base = preset(name), preset(parent)
+    assert (child.span_skip, child.span_skip_weight) == (32, 0.5) and base.span_skip == 0
+    same = {k: v for k, v in child.to_dict().items() if k not in ("span_skip", "span_skip_weight")}
+    assert same == {k: v for k, v in base.to_dict().items() if k not in ("span_skip", "span_skip_weight")}
+    assert policy_from_dict(child.to_dict()) == child
+    # the constructed RULER prompt's key sits past the first 32 positions: the same value kept as the parent
+    assert _kept_value(name, 0.05) == _kept_value(parent, 0.05) == [len(LONG_VALUE)] * LAYERS

@@ -76,6 +76,11 @@ class Policy:
     ``text_window``. 0: off.
     span_after: each token also scores as the best of the ``span_after`` tokens before it (after pooling
     and the GQA sum), so what follows an attended token is kept with it (0: off).
+    span_skip, span_skip_weight: the first ``span_skip`` prompt positions (past the sinks) spread only
+    ``span_skip_weight`` times their score forward (0.0: nothing): the chat template's start of the user turn
+    and the context's first words draw sink-like attention whatever they say, and spread 12-16 forward they
+    take the slots a looked-up fact needs. They still score, and are kept, for their own attention.
+    ``span_skip`` 0: off (only the sinks spread nothing).
     chunk_size: the scored tokens are kept in whole chunks of this many consecutive positions, the chunks
     ranked by their summed score (ChunkKV; 1: token by token).
     layer_share: each layer's scores, normalised to sum 1 per KV head, compete with this weight times the best
@@ -109,6 +114,8 @@ class Policy:
     question_min: int = 0
     question_max: int = 0
     span_after: int = 0
+    span_skip: int = 0
+    span_skip_weight: float = 0.0
     chunk_size: int = 1
     layer_share: float = 0.0
     lookahead: int = 0
@@ -120,7 +127,13 @@ class Policy:
             self.allocator = allocator_class(self.allocator)()  # ValueError for an unknown name
         if not isinstance(self.allocator, Allocator):
             raise ValueError(f"allocator must be an Allocator or a registered name, got {self.allocator!r}")
-        for name in ("recent_ratio", "post_vision_cap", "layer_share", "lookahead_weight"):
+        for name in (
+            "recent_ratio",
+            "post_vision_cap",
+            "layer_share",
+            "lookahead_weight",
+            "span_skip_weight",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in (
@@ -129,6 +142,7 @@ class Policy:
             "question_min",
             "question_max",
             "span_after",
+            "span_skip",
             "lookahead",
             "post_vision_layers",
         ):
@@ -242,7 +256,8 @@ class Policy:
         (stats.col_sum ``[H, m]``); with the default rows, VL-Cache's post-vision score. With
         ``row_normalized`` each column is divided by the number of those rows that see it; with
         ``pool_kernel > 1`` the columns are then max-pooled along positions (SnapKV), and with
-        ``span_after`` spread forward (``selection.shape_scores``). With ``lookahead`` and statistics that
+        ``span_after`` spread forward (``selection.shape_scores``; not from the sinks, and from the first
+        ``span_skip`` positions times ``span_skip_weight``). With ``lookahead`` and statistics that
         carry draft rows (``lookahead.DraftStats``) the column sums are ``lookahead.mixed_col_sum``'s.
         """
         if stats is None:
@@ -259,6 +274,8 @@ class Policy:
             pool_kernel=self.pool_kernel,
             span_after=self.span_after,
             sinks=self.sink_tokens,
+            damp_until=self.span_skip,
+            damp=self.span_skip_weight,
         )
 
     def select(self, scores: torch.Tensor, k: int, tau: int = 0, layer: int = 0) -> torch.Tensor:

@@ -58,6 +58,14 @@ dimension chose ``vlcache_text_lean``, 0.825 against 0.615, but three folds lose
 "Text-only presets: the question's window at 5%"): on training needle items lean loses at 5% it keeps every
 needle token but answers a question read from its 20-row window's best tokens ("the number of Emma's
 digits?"); screened on the training split only, not adopted.
+``vlcache_text_lean_w24_skip32`` / ``vlcache_text_span_skip32``: ``vlcache_text_lean_w24`` /
+``vlcache_text_span`` whose first 32 prompt positions spread half their score forward (``span_skip=32``,
+``span_skip_weight=0.5``; compression README, "Text-only prompts: the user turn's sink block"). SmolLM2's
+chat template ends its system prompt and opens the user turn at positions 18-23, and the context's first
+words after it (24-31) draw sink-like attention from the question's rows whatever they say; spread 12-16
+tokens forward (and shared across layers) they took 15-30 of a layer's 35 scored slots at 5% in the training
+needle items the presets lost, crowding the needle out. At half weight a fact that opens the context still
+carries its value (skipped outright, the needle at position 24 lost its digits).
 """
 
 from __future__ import annotations
@@ -117,6 +125,16 @@ PRESETS["vlcache_text_lean_sinks2"] = PRESETS["vlcache_text_span"] | {
 # vlcache_text_lean with the default's 24-row window: lean's 5% losses on training needle items keep every
 # needle token but answer a garbled question (the question share picked from 20 rows; #38, needle5).
 PRESETS["vlcache_text_lean_w24"] = PRESETS["vlcache_text_lean"] | {"text_window": 24}
+# The prompt's first 32 positions (the chat template's system prompt and user-turn header, and the context's
+# first words) draw sink-like attention whatever they say; spread a half-weight span (#38, textfix).
+PRESETS["vlcache_text_lean_w24_skip32"] = PRESETS["vlcache_text_lean_w24"] | {
+    "span_skip": 32,
+    "span_skip_weight": 0.5,
+}
+PRESETS["vlcache_text_span_skip32"] = PRESETS["vlcache_text_span"] | {
+    "span_skip": 32,
+    "span_skip_weight": 0.5,
+}
 PRESETS["vlcache_text_question"] = PRESETS["vlcache_text_span"] | {"question_min": 8, "question_max": 48}
 PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
     "lookahead": 16,

@@ -15,7 +15,8 @@ Scores (``shape_scores``): a column sum over the statistics rows, optionally div
 rows that see each key (``row_normalized``, ZipCache's normalisation), then max-pooled along positions
 (``pool_kernel``, SnapKV's clustering), then summed over each GQA group, then optionally spread forward
 (``span_after``: each token also scores as the best of the ``span_after`` tokens before it, so the tokens
-that follow an attended one travel with it: a fact's value after the name the question looks up).
+that follow an attended one travel with it: a fact's value after the name the question looks up; the sinks
+spread nothing, and the prompt's first ``damp_until`` positions their score times ``damp``).
 """
 
 from __future__ import annotations
@@ -58,13 +59,17 @@ def shape_scores(
     pool_kernel: int,
     span_after: int = 0,
     sinks: int = 0,
+    damp_until: int = 0,
+    damp: float = 0.0,
 ) -> torch.Tensor:
     """``[H, m]`` column sums over ``tq`` query rows -> ``[H_kv, m]`` scores (see the module docstring).
-    The first ``sinks`` positions (kept outright anyway) spread nothing forward."""
+    The first ``sinks`` positions (kept outright anyway) spread nothing forward; the ones before
+    ``damp_until`` (``Policy.span_skip``) spread their score times ``damp``."""
     col_sum = col_sum.float()
     if row_normalized:
         col_sum = col_sum / rows_seeing(m, tq, col_sum.device)
-    return spread_forward(group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads), span_after, sinks)
+    pooled = group_sum(max_pool_positions(col_sum, pool_kernel), kv_heads)
+    return spread_forward(pooled, span_after, sinks, damp_until, damp)
 
 
 SPAN_DECAY = 1e-4
@@ -72,13 +77,18 @@ SPAN_DECAY = 1e-4
 so the tokens nearest the attended one come first when a span does not fit whole."""
 
 
-def spread_forward(scores: torch.Tensor, span: int, skip: int = 0) -> torch.Tensor:
+def spread_forward(
+    scores: torch.Tensor, span: int, skip: int = 0, damp_until: int = 0, damp: float = 0.0
+) -> torch.Tensor:
     """``[H, m]`` -> ``[H, m]``: each position scores the best of itself and the ``span`` positions before it,
     the one ``d`` back weighted ``1 - SPAN_DECAY * d`` (0: unchanged). The first ``skip`` positions (the
-    attention sinks, whose score is not about their content) spread nothing."""
+    attention sinks, whose score is not about their content) spread nothing; the next ones, up to
+    ``damp_until``, spread their score times ``damp`` (0: nothing)."""
     if span <= 0:
         return scores
     source = scores.clone()
+    if damp_until > skip:
+        source[:, skip:damp_until] = -math.inf if damp <= 0 else source[:, skip:damp_until] * damp
     source[:, :skip] = -math.inf
     out = scores.clone()
     for d in range(1, min(span, scores.shape[-1] - 1) + 1):

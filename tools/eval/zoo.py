@@ -163,6 +163,16 @@ ABLATION = (
         "vlcache",
         {"allocator": {"name": "draft_mass", "weight": 0.5, "floor_layers": 2}, "post_vision_window": False},
     ),
+    (
+        "text-only prompts: preset vlcache_text_lean_w24_skip32",
+        "vlcache",
+        {"text_preset": "vlcache_text_lean_w24_skip32"},
+    ),
+    (
+        "text-only prompts: preset vlcache_text_span_skip32",
+        "vlcache",
+        {"text_preset": "vlcache_text_span_skip32"},
+    ),
 )
 
 

@@ -1,6 +1,6 @@
 """``DraftMass(floor_layers=n)``: the first n layers keep at least their pyramid budget, the rest is spent by
 the draft's attention as before; 0 is the plain allocator, the total and ``[1, m]`` are kept, bad values are
-refused, and the field survives a policy's round trip."""
+refused, and the field survives a policy's and a profile's round trip."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from vlkv.common.compression import DraftMass, Pyramid, get_policy, policy_from_
 from vlkv.common.compression.allocators import allocator_from_dict
 from vlkv.common.compression.budgets import raise_to_floors
 from vlkv.common.compression.lookahead import draft_mass_budgets
+from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, read_profile
 
 from tests.test_allocator_draft_mass import _stats
 from tests.test_compression_policies import L, M
@@ -90,3 +91,16 @@ def test_bad_values_are_refused_and_the_field_round_trips():
     policy = get_policy("vlcache", allocator={"name": "draft_mass", "weight": 0.5, "floor_layers": 1})
     again = policy_from_dict(json.loads(json.dumps(policy.to_dict())))
     assert again == policy and again.allocator == DraftMass(weight=0.5, floor_layers=1)
+
+
+def test_a_profile_carries_the_floor(tmp_path):
+    policy = get_policy("vlcache", allocator=DraftMass(weight=0.5, floor_layers=2), post_vision_window=False)
+    profile = CompressionProfile(
+        model={"fingerprint": "abc"},
+        prompts={"digest": "0" * 64, "count": 1},
+        measure={"tokens": 8},
+        entries=[ProfileEntry(budget=0.05, candidate="draft floor", policy=policy)],
+    )
+    profile.write(tmp_path / "compression_profile.json")
+    again = read_profile(tmp_path / "compression_profile.json").policy_for(0.05)
+    assert again == policy and again.allocator.floor_layers == 2

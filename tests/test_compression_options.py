@@ -78,7 +78,7 @@ def test_row_normalised_scores_divide_by_the_rows_that_see_each_key():
 )
 def test_post_vision_share(params, k, tau, kept_tail):
     m = 800
-    policy = get_policy("vlcache", **params)
+    policy = get_policy("vlcache", **{"post_vision_window": True, **params})  # the window's options
     scores = torch.arange(m, dtype=torch.float32).flip(0)[None]  # older tokens score higher
     kept = policy.select(scores, k, tau)[0]
     want = torch.cat([torch.arange(k - kept_tail), torch.arange(m - kept_tail, m)])
@@ -100,10 +100,11 @@ def test_post_vision_window_by_score_keeps_the_best_question_tokens():
     scores[0, :70] = torch.arange(70, dtype=torch.float32).flip(0)  # older image tokens score higher
     key_words = [72, 75, 81, 88, 90, 91, 93, 95, 97, 99]
     scores[0, key_words] = 1000.0
-    kept = get_policy("vlcache", post_vision_by_score=True).select(scores, k, tau)[0].tolist()
+    on = {"post_vision_window": True}  # the window's option (today's default keeps no window)
+    kept = get_policy("vlcache", post_vision_by_score=True, **on).select(scores, k, tau)[0].tolist()
     assert kept == list(range(8)) + [68, 69] + key_words
     # a question within its share is kept whole, as without the option
-    plain, by_score = get_policy("vlcache"), get_policy("vlcache", post_vision_by_score=True)
+    plain, by_score = get_policy("vlcache", **on), get_policy("vlcache", post_vision_by_score=True, **on)
     assert torch.equal(plain.select(scores, 40, 15), by_score.select(scores, 40, 15))
 
 
@@ -117,15 +118,16 @@ def test_post_vision_window_in_the_first_layers_only():
     stats = [_stats(col, tau)] * layers
     keys = [torch.zeros(1, m, 4)] * layers
     params = {"pool_kernel": 1, "lookahead": 0, "allocator": "uniform"}
-    first = get_policy("vlcache", post_vision_layers=1, **params)
-    window, none = get_policy("vlcache", **params), get_policy("vlcache", post_vision_window=False, **params)
+    first = get_policy("vlcache", post_vision_layers=1, post_vision_window=True, **params)
+    window = get_policy("vlcache", post_vision_window=True, **params)
+    none = get_policy("vlcache", post_vision_window=False, **params)
     kept = first.plan(stats, keys, keys, alpha=k / m, m=m, tau=tau)
     with_window = torch.cat([torch.arange(k - 24), torch.arange(m - 24, m)])  # 20 of the question + 4 recent
     recent_only = torch.cat([torch.arange(k - 4), torch.arange(m - 4, m)])
     assert torch.equal(kept[0][0], with_window) and all(torch.equal(p[0], recent_only) for p in kept[1:])
     assert torch.equal(kept[0], window.plan(stats, keys, keys, alpha=k / m, m=m, tau=tau)[0])
     assert torch.equal(kept[2], none.plan(stats, keys, keys, alpha=k / m, m=m, tau=tau)[2])
-    every = get_policy("vlcache", post_vision_layers=5, **params).plan(
+    every = get_policy("vlcache", post_vision_layers=5, post_vision_window=True, **params).plan(
         stats, keys, keys, alpha=k / m, m=m, tau=tau
     )
     assert all(torch.equal(p[0], with_window) for p in every)  # more layers than the model: every layer

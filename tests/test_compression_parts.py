@@ -55,8 +55,11 @@ def test_every_policy_round_trips_and_plans_the_same(name, allocator):
 @pytest.mark.parametrize(
     ("flat", "composed"),
     [
-        ({"pyramid_beta": 2.0}, {"allocator": Pyramid(beta=2.0)}),
-        ({"allocator": "pyramid"}, {"allocator": Pyramid(beta=4.0)}),  # vlcache's own pyramid keeps beta 4
+        ({"allocator": "pyramid", "pyramid_beta": 2.0}, {"allocator": Pyramid(beta=2.0)}),
+        # the name of another kind than vlcache's own (draft mass): that kind's registered default
+        ({"allocator": "pyramid"}, {"allocator": Pyramid(beta=20.0)}),
+        ({"pyramid_beta": 2.0}, {}),  # vlcache's own allocator is not a pyramid: checked, then ignored
+        ({"allocator": "draft_mass"}, {}),  # the name of vlcache's own kind keeps its parameters
         ({"allocator": "mixed", "adaptive_weight": 0.5}, {"allocator": Mixed(weight=0.5)}),
         ({"allocator": "coverage", "coverage_mass": 0.7}, {"allocator": Coverage(mass=0.7)}),
         ({"allocator": "sparsity", "exact_budget": True}, {"allocator": Sparsity(exact=True)}),
@@ -114,6 +117,7 @@ def test_presets_are_policies_and_the_paper_preset_is_the_zoo_before_row():
         "post_vision_cap": 0.5,
         "post_vision_by_score": False,
         "pool_kernel": 1,
+        "post_vision_window": True,  # the default's then (today's keeps no window)
     }
     assert_same_plans(get_policy("vlcache", pyramid_beta=20.0, **legacy), paper, seed=13, alpha=0.1)
     with pytest.raises(ValueError, match="unknown compression preset"):
@@ -157,11 +161,11 @@ def test_lean_text_presets_fix_fewer_slots_than_vlcache_text_span():
 
 
 def test_text_only_prompts_use_an_observation_window():
-    """No vision tokens (tau = m), no text preset: the last 32 rows score the rest and are kept like a
-    question (by default the preset vlcache_text_span does that with 24 rows)."""
+    """No vision tokens (tau = m), no text preset: the last 32 rows score the rest and, with the question's
+    window on, are kept like a question (by default the preset vlcache_text_span does that with 24 rows)."""
     m, k = 200, 40
     assert get_policy("vlcache").query_start(m, m) == m - preset("vlcache_text_span").text_window == m - 24
-    policy = get_policy("vlcache", text_preset="")
+    policy = get_policy("vlcache", text_preset="", post_vision_window=True)
     assert policy.text_window == 32 and policy.query_start(m, m) == m - 32
     assert preset("vlcache_paper").query_start(m, m) == 0  # the paper: every row is post-vision
     assert policy.query_start(20, 20) == 0  # a prompt shorter than the window: every row

@@ -12,6 +12,7 @@ from vlkv.common.compression import (
     Allocator,
     Cake,
     CompressionSettings,
+    DraftMass,
     Pyramid,
     Sparsity,
     allocator_names,
@@ -144,9 +145,9 @@ def test_full_budget_returns_cache_unchanged(name, allocator):
 
 
 def test_vlcache_defaults_use_post_vision_rows_and_algorithm1():
-    default = get_policy("vlcache")  # chosen on the zoo (common/compression/README.md)
-    assert (default.allocator, default.pool_kernel) == (Pyramid(beta=4.0), 3)
-    assert default.post_vision_window and not default.post_vision_by_score
+    default = get_policy("vlcache")  # chosen on the zoo (common/compression/README.md, protocol v2.1)
+    assert (default.allocator, default.pool_kernel) == (DraftMass(weight=0.5, beta=4.0, floor_layers=2), 3)
+    assert not default.post_vision_window and not default.post_vision_by_score and default.lookahead == 16
     policy = get_policy("vlcache", allocator="sparsity")  # Algorithm 1
     assert policy.query_start(M, TAU) == M - TAU
     qs, ks, vs = make_inputs(4, 2, seed=2)
@@ -311,7 +312,8 @@ def test_settings_full_cache_and_admission_estimate():
 def test_vlcache_keeps_the_post_vision_tokens_and_the_recent_window_before_them():
     # the last question tokens (the option the zoo's default replaced by the best-scoring ones:
     # tests/test_compression_options.py)
-    policy, plain = get_policy("vlcache", post_vision_by_score=False), get_policy("snapkv")
+    policy = get_policy("vlcache", post_vision_by_score=False, post_vision_window=True)
+    plain = get_policy("snapkv")
     scores = torch.arange(100, dtype=torch.float32).flip(0)[None]  # older tokens score higher
     for k, tau, recent in ((40, 10, 14), (12, 10, 8), (40, 2, 6), (40, 100, 4), (40, 0, 4), (1, 10, 1)):
         kept = policy.select(scores, k, tau)

@@ -69,28 +69,35 @@ prompt's agreement; the pass's cost is the decode of ~20 caches per re-ranked pr
 measure pass's, kept by the worker that measured it: ``keep_for_rerank``)."""
 THRESHOLD = 0.01
 _VL = {"policy": "vlcache"}
-# (label, policy dict): the declared grid, one change at a time from the default (at most two: the window
-# off with the draft alone), plus the baselines. Each vlcache row keeps the default's options but the ones it
-# names, the 16-token draft (lookahead 16, weight 0.5) included.
+# (label, policy dict): the declared grid, one change at a time from the default (at most two: the question's
+# window back with one of its options or the draft's weight, the previous default), plus the baselines. Each
+# vlcache row keeps the default's options but the ones it names, the 16-token draft (lookahead 16, weight
+# 0.5) included.
+_WINDOW = {**_VL, "post_vision_window": True}
 CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("default", PRESETS["vlcache_default"]),
     ("lookahead: off", {**_VL, "lookahead": 0}),
     ("lookahead: 8", {**_VL, "lookahead": 8}),
     ("lookahead: weight 1.0", {**_VL, "lookahead_weight": 1.0}),
     ("lookahead: 8, weight 1.0", {**_VL, "lookahead": 8, "lookahead_weight": 1.0}),
-    ("window: off, lookahead weight 1.0", {**_VL, "post_vision_window": False, "lookahead_weight": 1.0}),
-    ("window: slope 5", {**_VL, "post_vision_slope": 5.0}),
+    ("window: on, lookahead weight 1.0", {**_WINDOW, "lookahead_weight": 1.0}),
+    ("window: on, slope 5", {**_WINDOW, "post_vision_slope": 5.0}),
     ("paper (vlcache_paper)", PRESETS["vlcache_paper"]),
     ("allocator: Algorithm 1", {**_VL, "allocator": {"name": "sparsity"}}),
     ("allocator: uniform", {**_VL, "allocator": {"name": "uniform"}}),
     ("allocator: mixed 0.2", {**_VL, "allocator": {"name": "mixed", "weight": 0.2}}),
     ("allocator: coverage", {**_VL, "allocator": {"name": "coverage"}}),
     ("allocator: cake", {**_VL, "allocator": {"name": "cake"}}),
+    ("allocator: pyramid", {**_VL, "allocator": {"name": "pyramid", "beta": 4.0}}),
     ("allocator: pyramid beta 2", {**_VL, "allocator": {"name": "pyramid", "beta": 2.0}}),
     ("allocator: pyramid beta 20", {**_VL, "allocator": {"name": "pyramid", "beta": 20.0}}),
-    ("window: off", {**_VL, "post_vision_window": False}),
-    ("window: cap 1/4", {**_VL, "post_vision_cap": 0.25}),
-    ("window: by score", {**_VL, "post_vision_by_score": True}),
+    ("window: on", _WINDOW),
+    ("window: on, cap 1/4", {**_WINDOW, "post_vision_cap": 0.25}),
+    ("window: on, by score", {**_WINDOW, "post_vision_by_score": True}),
+    (
+        "previous default (pyramid, window on)",
+        {**_WINDOW, "allocator": {"name": "pyramid", "beta": 4.0}},
+    ),
     ("pooling: off", {**_VL, "pool_kernel": 1}),
     ("pooling: 7", {**_VL, "pool_kernel": 7}),
     ("sinks: 4", {**_VL, "sink_tokens": 4}),

@@ -98,7 +98,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "post_vision_by_score": True,
         "row_normalized": True,
         "text_window": 16,
-        "lookahead": 0,  # pinned: the presets keep their settings whatever vlcache's default
+        "post_vision_window": True,  # pinned, as lookahead and the allocator: the presets keep their settings
+        "lookahead": 0,  # whatever vlcache's default
         "text_preset": "",  # compresses every prompt itself (a text preset cannot name another)
     },
 }

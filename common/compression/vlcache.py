@@ -3,8 +3,8 @@
 Statistics: rows ``m - tau .. m-1`` (the language tokens after the last vision token); with tau = 0 the
 last ``min(m, 8)`` rows (see ``selection.post_vision_start``). A text-only prompt (tau = m) has no
 post-vision text to tell it apart from the rest: its last ``text_window`` (32) tokens take that role, as
-SnapKV's observation window (they score the rest and are kept outright, up to the window's cap), when
-``text_preset`` is "". By default a text-only prompt goes to the preset ``vlcache_text_span`` (protocol v2.1,
+SnapKV's observation window (they score the rest; kept outright, up to the window's cap, only with
+``post_vision_window``), when ``text_preset`` is "". By default a text-only prompt goes to the preset ``vlcache_text_span`` (protocol v2.1,
 ``common/compression/README.md``): a 24-row observation window, 16-token spans after what it looks up.
 The prompts vlcache scores itself (image prompts; text-only ones too with ``text_preset=""``) mix in the
 attention of a 16-token greedy draft decoded over the full
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .allocators import Allocator, Pyramid
+from .allocators import Allocator, DraftMass
 from .base import Policy
 
 
@@ -24,22 +24,27 @@ class VLCachePolicy(Policy):
     """Score = column sums of the post-vision softmax, summed over the query heads of a KV group
     (the base ``score`` and ``query_start``).
 
-    Defaults chosen on the model zoo by the tuning protocol (``common/compression/README.md``): the
-    post-vision window keeps the question's last tokens (up to half the budget), scores are max-pooled over
-    3 positions, and layer budgets decrease gently with depth (``Pyramid(beta=4.0)``). Image prompts mix the
-    attention of a 16-token greedy draft into the scores (``lookahead=16``, ``lookahead_weight=0.5``: the
-    draft is discarded; protocol v2.1, "Draft-query scoring (lookahead)"); ``lookahead=0`` turns it off. Algorithm 1 on the
-    post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is ``allocator=Sparsity()``; the paper's
-    policy as first shipped is the preset ``vlcache_paper`` (``presets.py``). Text-only prompts (no image):
-    the preset ``vlcache_text_span`` (``text_preset``, chosen per prompt kind by protocol v2.1 on five text
-    tasks); with ``text_preset=""`` a 32-token observation window (SnapKV's paper default), kept outright like
-    a question.
+    Defaults chosen on the model zoo by the tuning protocol (``common/compression/README.md``): scores are
+    max-pooled over 3 positions, and image prompts mix the attention of a 16-token greedy draft into the
+    scores (``lookahead=16``, ``lookahead_weight=0.5``: the draft is discarded; "Draft-query scoring
+    (lookahead)"); ``lookahead=0`` turns it off. Layer budgets: ``DraftMass(weight=0.5, floor_layers=2)``, half
+    of the total where the draft's attention is best covered, half as ``Pyramid(beta=4.0)``, the first two
+    layers at least at the pyramid's budget; no question window kept outright (``post_vision_window=False``:
+    the paper's recent 10% only, the question's tokens compete on their scores). Both chosen by protocol v2.1's
+    image dimension on 2026-11-28 ("Draft-mass budgets with a floor"); before, ``Pyramid(beta=4.0)`` and the
+    question's last tokens kept outright (up to half the budget), the ``ABLATION`` row "vlcache before
+    draft-mass budgets". Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is
+    ``allocator=Sparsity()``; the paper's policy as first shipped is the preset ``vlcache_paper``
+    (``presets.py``). Text-only prompts (no image): the preset ``vlcache_text_span`` (``text_preset``, chosen
+    per prompt kind by protocol v2.1 on five text tasks), which pins its own allocator and window; with
+    ``text_preset=""`` a 32-token observation window (SnapKV's paper default) scores the rest, with this
+    policy's budgets and window settings.
     """
 
     name = "vlcache"
-    allocator: Allocator = Pyramid(beta=4.0)
+    allocator: Allocator = DraftMass(weight=0.5, beta=4.0, floor_layers=2)
     lookahead: int = 16
     pool_kernel: int = 3
-    post_vision_window: bool = True
+    post_vision_window: bool = False
     text_window: int = 32
     text_preset: str = "vlcache_text_span"

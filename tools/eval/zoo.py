@@ -65,6 +65,12 @@ PREVIOUS_DEFAULT = preset_params("vlcache_paper")
 """vlcache's settings before the zoo (#30), the paper's own (``common/compression/presets.py``): the
 protocol's "before" row."""
 PREVIOUS_LABEL = "vlcache before the zoo"
+PYRAMID_WINDOW = {"allocator": {"name": "pyramid", "beta": 4.0}, "post_vision_window": True}
+"""The default's image-prompt settings before draft-mass budgets (#38, protocol v2.1's image dimension,
+2026-11-28): ``Pyramid(beta=4.0)`` layer budgets and the question's window kept outright. Every ``ABLATION``
+option row below but the text-preset ones is that default with its option, as it was run and recorded
+before the change (so rows in older files and new runs are the same policies)."""
+PYRAMID_WINDOW_LABEL = "vlcache before draft-mass budgets (pyramid, question window)"
 ABLATION = (
     ("vlcache (defaults)", "vlcache", {}),
     (PREVIOUS_LABEL, "vlcache", PREVIOUS_DEFAULT),
@@ -174,6 +180,25 @@ ABLATION = (
         {"text_preset": "vlcache_text_span_skip32"},
     ),
 )
+
+
+
+
+def _on_the_pyramid_window(rows) -> tuple[tuple[str, str, dict], ...]:
+    """``rows`` with each vlcache option row over ``PYRAMID_WINDOW`` (its own keys win), then that default's own
+    row. Left as they are: today's default (``{}``), complete presets (they name the allocator and the window),
+    the text-preset rows (a named ``text_preset`` and nothing else: image prompts are today's default's by
+    construction, which the protocol's text dimension checks) and the baselines."""
+    out = []
+    for label, policy, params in rows:
+        preset_only = set(params) == {"text_preset"} and params["text_preset"]
+        if policy == DEFAULT_POLICY and params and not preset_only:
+            params = {**PYRAMID_WINDOW, **params}
+        out.append((label, policy, params))
+    return (*out, (PYRAMID_WINDOW_LABEL, DEFAULT_POLICY, dict(PYRAMID_WINDOW)))
+
+
+ABLATION = _on_the_pyramid_window(ABLATION)
 
 
 def _configs(ablation: bool, rows: str = "") -> list[tuple[str, str, dict]]:

@@ -13,7 +13,6 @@ from vlkv.common.compression import (
     Cake,
     CompressionSettings,
     DraftMass,
-    Pyramid,
     Sparsity,
     allocator_names,
     get_policy,

@@ -122,10 +122,12 @@ def test_round_trips_and_validates():
     again = policy_from_dict(json.loads(json.dumps(policy.to_dict())))
     assert again == policy and again.allocator == DraftMass(weight=1.0)
     # the name of vlcache's own allocator's kind keeps its parameters (the default's floor), as "pyramid" did
-    assert CompressionSettings(policy="vlcache", allocator="draft_mass").build_policy().allocator == DraftMass(
-        floor_layers=2
+    assert CompressionSettings(
+        policy="vlcache", allocator="draft_mass"
+    ).build_policy().allocator == DraftMass(floor_layers=2)
+    assert (
+        CompressionSettings(policy="snapkv", allocator="draft_mass").build_policy().allocator == DraftMass()
     )
-    assert CompressionSettings(policy="snapkv", allocator="draft_mass").build_policy().allocator == DraftMass()
     for bad in ({"weight": 1.5}, {"weight": -0.1}, {"beta": 0.5}):
         with pytest.raises(ValueError):
             DraftMass(**bad)

@@ -182,8 +182,6 @@ ABLATION = (
 )
 
 
-
-
 def _on_the_pyramid_window(rows) -> tuple[tuple[str, str, dict], ...]:
     """``rows`` with each vlcache option row over ``PYRAMID_WINDOW`` (its own keys win), then that default's own
     row. Left as they are: today's default (``{}``), complete presets (they name the allocator and the window),

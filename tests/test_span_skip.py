@@ -10,18 +10,13 @@ import pytest
 import torch
 from vlkv.common.compression import get_policy, policy_from_dict
 
+from tests.test_text_presets import _stats as text_stats
+
 M, K = 300, 24  # recent window 3 (297..299), 21 scored slots
 
 
-def _stats(col_sum: torch.Tensor, tq: int = 8) -> SimpleNamespace:
-    heads, m = col_sum.shape
-    return SimpleNamespace(
-        row_max=torch.zeros(heads, tq),
-        row_sumexp=torch.ones(heads, tq),
-        col_sum=col_sum,
-        below=torch.zeros(heads),
-        unmasked=torch.full((heads,), float(tq * m)),
-    )
+def _stats(col_sum: torch.Tensor) -> SimpleNamespace:
+    return text_stats(col_sum, 8)
 
 
 def _scores() -> torch.Tensor:

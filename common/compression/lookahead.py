@@ -103,29 +103,17 @@ def draft_mass_budgets(gains: torch.Tensor, total: int, floors: Sequence[int] | 
     clamped to ``[sum(floors), L * m]``); the rest goes to the largest gains after each layer's floor, so no
     layer ends below its floor. None (or every floor 1) is the plain rule above."""
     layers, m = gains.shape
-    if floors is not None and any(int(f) > 1 for f in floors):
-        return _floored_budgets(gains, total, floors)
-    total = min(max(int(total), layers), layers * m)
-    extra = total - layers
-    if extra == 0:  # also every m == 1
-        return [1] * layers
-    rest = gains[:, 1:].flatten()  # every slot after each layer's first
-    order = torch.sort(-rest, stable=True).indices[:extra]
-    counts = torch.bincount(order // (m - 1), minlength=layers)
-    return [1 + int(c) for c in counts.tolist()]
-
-
-def _floored_budgets(gains: torch.Tensor, total: int, floors: Sequence[int]) -> list[int]:
-    layers, m = gains.shape
+    if floors is None:
+        floors = [1] * layers
     if len(floors) != layers:
         raise ValueError(f"{len(floors)} floors for {layers} layers")
     start = [min(max(int(f), 1), m) for f in floors]
     total = min(max(int(total), sum(start)), layers * m)
     extra = total - sum(start)
-    if extra == 0:
+    if extra == 0:  # also every m == 1
         return start
     free = torch.arange(m).unsqueeze(0) >= torch.tensor(start).unsqueeze(1)  # [L, m]: slots past the floor
     layer_of = torch.arange(layers).unsqueeze(1).expand(layers, m).masked_select(free)
-    order = torch.sort(-gains.masked_select(free), stable=True).indices[:extra]  # row-major, as above
+    order = torch.sort(-gains.masked_select(free), stable=True).indices[:extra]  # row-major: stable ties
     counts = torch.bincount(layer_of[order], minlength=layers)
     return [s + int(c) for s, c in zip(start, counts.tolist(), strict=True)]

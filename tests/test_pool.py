@@ -5,6 +5,7 @@ although every worker holds a multiprocessing lock (as tqdm makes one)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -128,10 +129,35 @@ def _gone(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
+def _finish(proc: subprocess.Popen, pids: Path) -> str:
+    """The scenario's stderr once it and every process holding its stderr exited; on a timeout, the process
+    group is killed and the failure says what was still alive and where (the parent, each worker)."""
+    try:
+        return proc.communicate(timeout=100)[1]
+    except subprocess.TimeoutExpired:
+        alive = [proc.pid] + [int(p.name) for p in pids.iterdir()]
+        states = {pid: _state(pid) for pid in alive}
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        err = proc.communicate()[1]
+        raise AssertionError(
+            f"the scenario did not end in 100 s; processes {states}; stderr:\n{err}"
+        ) from None
+
+
+def _state(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return "gone"
+    return f"{next(line for line in status if line.startswith('State:'))} wchan={wchan}"
+
+
 @pytest.mark.timeout(120)
 def test_a_failure_in_a_real_run_leaks_no_semaphore(tmp_path):
     proc, pids = _start(tmp_path, fail=True)
-    _, err = proc.communicate(timeout=100)  # its stderr closes once the workers and the tracker are gone too
+    err = _finish(proc, pids)  # its stderr closes once the workers and the tracker are gone too
     assert proc.returncode == 1
     assert "WorkerFailed: worker" in err and "failed at item fail 3: ValueError: bad item 3" in err
     assert "leaked" not in err and all(_gone(pid) for pid in _workers(pids, 2))
@@ -142,7 +168,7 @@ def test_ctrl_c_leaves_no_worker_and_no_leaked_semaphore(tmp_path):
     proc, pids = _start(tmp_path)
     workers = _workers(pids, 2)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
-    _, err = proc.communicate(timeout=100)
+    err = _finish(proc, pids)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert "leaked" not in err and all(_gone(pid) for pid in workers)
 
@@ -152,6 +178,6 @@ def test_workers_stop_when_their_parent_is_killed(tmp_path):
     proc, pids = _start(tmp_path)
     workers = _workers(pids, 2)
     os.kill(proc.pid, signal.SIGKILL)  # no chance to stop them
-    _, err = proc.communicate(timeout=100)  # returns once every worker closed its stderr: they exited
+    err = _finish(proc, pids)  # returns once every worker closed its stderr: they exited
     assert proc.returncode == -signal.SIGKILL
     assert "leaked" not in err and all(_gone(pid) for pid in workers)

@@ -133,3 +133,20 @@ def test_round_trips_and_validates():
             DraftMass(**bad)
     with pytest.raises(ValueError):
         allocator_from_dict({"name": "draft_mass", "share": 0.5})
+
+
+def test_the_draft_gains_are_computed_once_per_layer_object_and_equal_a_fresh_computation(monkeypatch):
+    stats = _stats(seed=5, peaked=(2,))
+    fresh = _stats(seed=5, peaked=(2,))  # the same statistics in new objects
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(
+        torch.Tensor, "sort", lambda self, *a, **k: sorts.append(1) or real_sort(self, *a, **k)
+    )
+    first = draft_gains(stats)
+    assert len(sorts) == L  # one sort per layer
+    again = draft_gains(stats)
+    assert len(sorts) == L  # the same objects: nothing sorted again
+    assert torch.equal(first, again) and torch.equal(first, draft_gains(fresh)) and len(sorts) == 2 * L
+    budgets = DraftMass(floor_layers=2).budgets(stats, 0.2, M, L)
+    assert budgets == DraftMass(floor_layers=2).budgets(_stats(seed=5, peaked=(2,)), 0.2, M, L)

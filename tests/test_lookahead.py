@@ -16,7 +16,7 @@ from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.tools.client import build_request, generate, png_bytes
-from vlkv.tools.eval.evaluation import compress, decode_batch
+from vlkv.tools.eval.evaluation import compress, compress_with, decode_batch, policy_stats
 from vlkv.tools.task.synthetic_task import prompt_text
 from vlkv.v1 import generate_pb2
 
@@ -269,3 +269,23 @@ def test_http_extra_body_carries_lookahead():
     assert not _compression(VlkvOptions()).HasField("lookahead")
     with pytest.raises(ValueError):
         VlkvOptions(lookahead=-1)
+
+
+def test_candidates_share_one_prompts_drafted_statistics_and_compress_as_with_fresh_ones(setup):
+    """The evaluation tools hand every candidate the same drafted statistics objects (their per-layer draft
+    gains computed once); each candidate's cache equals the one built from fresh objects."""
+    _, _, prepared = setup
+    prep = prepared[0]
+    a = get_policy("vlcache", lookahead=4)
+    b = get_policy("vlcache", lookahead=4, allocator={"name": "draft_mass", "weight": 1.0})
+    shared = policy_stats(prep, a, BUDGET)
+    assert policy_stats(prep, b, 0.5) is shared and all(isinstance(s, DraftStats) for s in shared)
+    assert policy_stats(prep, get_policy("vlcache", lookahead=3), BUDGET) is not shared  # fewer draft rows
+    q0 = a.query_start(prep.m, prep.tau, prep.question)
+    for policy in (a, b):
+        fresh = with_draft(prep.stats(q0, 0.01), *prep.draft_col_sums(4, 0.01))
+        args = dict(
+            alpha=BUDGET, m=prep.m, tau=prep.tau, first_token=prep.first_token, question=prep.question
+        )
+        _same(compress_with(prep, policy, BUDGET), policy.compress(fresh, prep.keys, prep.values, **args))
+    assert all("gain" in s.__dict__ for s in shared)  # computed on the shared objects, once

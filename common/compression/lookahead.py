@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -39,6 +40,14 @@ class DraftStats:
     base: AttentionStatsLike
     draft_col_sum: torch.Tensor
     draft_rows: int
+
+    @cached_property
+    def gain(self) -> torch.Tensor:
+        """``[m]`` fp64: this layer's row of :func:`draft_gains`, computed once per object (the evaluation
+        tools hand one prompt's objects to every candidate and budget, ``Prepared.drafted_stats``)."""
+        draft = self.draft_col_sum.detach().to("cpu", torch.float64)
+        draft = draft / draft.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        return draft.sort(dim=-1, descending=True).values.mean(dim=0)
 
     def __getattr__(self, name: str):
         # every statistics attribute (row_max, row_sumexp, col_sum, below, unmasked, optional col_sqsum) is the
@@ -86,9 +95,7 @@ def draft_gains(stats_per_layer: Sequence[AttentionStatsLike]) -> torch.Tensor |
     for stats in stats_per_layer:
         if not isinstance(stats, DraftStats) or stats.draft_rows <= 0:
             return None
-        draft = stats.draft_col_sum.detach().to("cpu", torch.float64)
-        draft = draft / draft.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-        rows.append(draft.sort(dim=-1, descending=True).values.mean(dim=0))
+        rows.append(stats.gain)
     return torch.stack(rows) if rows else None
 
 

@@ -79,6 +79,7 @@ class Prepared:
     _stats: dict = field(default_factory=dict, repr=False)
     _draft: Draft | None = field(default=None, repr=False)
     _draft_sums: dict = field(default_factory=dict, repr=False)
+    _drafted: dict = field(default_factory=dict, repr=False)
 
     def stats(self, q0: int, threshold: float) -> list:
         key = (q0, threshold)
@@ -127,6 +128,17 @@ class Prepared:
         if key not in self._draft_sums:
             self._draft_sums[key] = draft.col_sums(rows, threshold)
         return self._draft_sums[key], rows
+
+    def drafted_stats(self, q0: int, steps: int, threshold: float) -> list:
+        """``stats(q0, threshold)`` with the first ``steps`` draft rows beside them (``with_draft``), built once
+        per (q0, draft rows, threshold): every candidate and budget reading them gets the same objects, so
+        what they compute once per layer (``DraftStats.gain``, ``DraftMass``'s sorted draft attention) is
+        computed once per prompt."""
+        sums, rows = self.draft_col_sums(steps, threshold)
+        key = (q0, rows, threshold)
+        if key not in self._drafted:
+            self._drafted[key] = with_draft(self.stats(q0, threshold), sums, rows)
+        return self._drafted[key]
 
 
 @torch.inference_mode()
@@ -212,14 +224,11 @@ def policy_stats(prep: Prepared, policy, budget: float, threshold: float = 0.01)
     """The statistics ``policy.compress`` reads for ``prep`` at ``budget``, as ``PrefillEngine.run`` hands
     them over: None when it reads none (a full cache comes back unchanged), with the draft rows' attention
     beside the question's when the prompt's policy has ``lookahead``."""
-    needs_stats = policy.requires_stats and not policy.is_full(budget)
-    stats = (
-        prep.stats(policy.query_start(prep.m, prep.tau, prep.question), threshold) if needs_stats else None
-    )
+    if not policy.requires_stats or policy.is_full(budget):
+        return None
+    q0 = policy.query_start(prep.m, prep.tau, prep.question)
     steps = policy.lookahead_steps(budget, prep.m, prep.tau)
-    if steps and stats is not None:
-        stats = with_draft(stats, *prep.draft_col_sums(steps, threshold))
-    return stats
+    return prep.drafted_stats(q0, steps, threshold) if steps else prep.stats(q0, threshold)
 
 
 def compress(prep: Prepared, policy_name: str, budget: float, threshold: float = 0.01, **params) -> CompactKV:

@@ -3,6 +3,8 @@ layers at least at the pyramid's, no question window kept outright; text-only pr
 and the zoo's option rows the same policies as before the change (files of both times compare)."""
 
 from vlkv.common.compression import DraftMass, Pyramid, Uniform, get_policy, preset
+from vlkv.common.compression.registry import policy_from_dict
+from vlkv.tools.calibrate import CANDIDATES
 from vlkv.tools.eval.zoo import ABLATION, PYRAMID_WINDOW, PYRAMID_WINDOW_LABEL
 
 ADOPTED = "allocator: draft mass (w 0.5, pyramid floor in layers 0-1) + window: none"
@@ -18,6 +20,12 @@ def test_the_default_is_the_row_the_protocol_adopted():
     assert default.allocator == DraftMass(weight=0.5, beta=4.0, floor_layers=2)
     previous = rows[PYRAMID_WINDOW_LABEL]
     assert previous != default and previous.allocator == Pyramid(beta=4.0) and previous.post_vision_window
+    # one definition of the previous default: the preset, the zoo's row and calibrate's candidate
+    candidate = policy_from_dict(dict(CANDIDATES)["previous default (pyramid, window on)"])
+    assert preset("vlcache_pyramid_window") == previous == candidate
+    assert previous == get_policy(
+        "vlcache", allocator={"name": "pyramid", "beta": 4.0}, post_vision_window=True
+    )
 
 
 def test_option_rows_are_the_policies_they_were_before_the_change():

@@ -94,10 +94,7 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("window: on", _WINDOW),
     ("window: on, cap 1/4", {**_WINDOW, "post_vision_cap": 0.25}),
     ("window: on, by score", {**_WINDOW, "post_vision_by_score": True}),
-    (
-        "previous default (pyramid, window on)",
-        {**_WINDOW, "allocator": {"name": "pyramid", "beta": 4.0}},
-    ),
+    ("previous default (pyramid, window on)", PRESETS["vlcache_pyramid_window"]),
     ("pooling: off", {**_VL, "pool_kernel": 1}),
     ("pooling: 7", {**_VL, "pool_kernel": 7}),
     ("sinks: 4", {**_VL, "sink_tokens": 4}),

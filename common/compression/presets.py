@@ -4,7 +4,10 @@
 Algorithm 1's sparsity budgets, the post-vision rows as the scoring window and the question kept outright
 (up to half a layer's budget, its last tokens), no pooling, and for a text-only prompt every row as
 post-vision (the paper's definition: tau = m). ``vlcache_default``: the ``vlcache`` policy as it is built
-with no options (the current default; its text-only handling included).
+with no options (the current default; its text-only handling included). ``vlcache_pyramid_window``: the
+image default before draft-mass budgets (#38, 2026-11-28): ``Pyramid(beta=4.0)`` layer budgets and the
+question's window kept outright, every other setting today's (`vlkv calibrate`'s "previous default" candidate,
+the zoo's option rows are built over it).
 
 ``vlcache_lookup``: chosen on the real-text suite's training split (``needle`` on SmolLM2-135M-Instruct,
 README "Text-only prompts") for prompts whose answer is a fact looked up in a long context: each token
@@ -91,6 +94,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "text_preset": "",
     },
     "vlcache_default": {"policy": "vlcache"},
+    "vlcache_pyramid_window": {
+        "policy": "vlcache",
+        "allocator": {"name": "pyramid", "beta": 4.0},
+        "post_vision_window": True,
+    },
     "vlcache_lookup": {
         "policy": "vlcache",
         "allocator": {"name": "uniform"},

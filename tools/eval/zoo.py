@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlkv.common.compression.presets import preset_params
+from vlkv.common.compression.presets import PRESETS, preset_params
 from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
@@ -65,7 +65,7 @@ PREVIOUS_DEFAULT = preset_params("vlcache_paper")
 """vlcache's settings before the zoo (#30), the paper's own (``common/compression/presets.py``): the
 protocol's "before" row."""
 PREVIOUS_LABEL = "vlcache before the zoo"
-PYRAMID_WINDOW = {"allocator": {"name": "pyramid", "beta": 4.0}, "post_vision_window": True}
+PYRAMID_WINDOW = {k: v for k, v in PRESETS["vlcache_pyramid_window"].items() if k != "policy"}
 """The default's image-prompt settings before draft-mass budgets (#38, protocol v2.1's image dimension,
 2026-11-28): ``Pyramid(beta=4.0)`` layer budgets and the question's window kept outright. Every ``ABLATION``
 option row below but the text-preset ones is that default with its option, as it was run and recorded

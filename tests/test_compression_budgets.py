@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vlkv.common.compression import budgets as budgets_mod
 from vlkv.common.compression import (
     cake_budgets,
     cake_preferences,
@@ -145,3 +146,23 @@ def test_layer_sparsity_is_head_mean():
     stats = SimpleNamespace(below=torch.tensor([3, 1]), unmasked=torch.tensor([4, 4]))
     assert layer_sparsity(stats) == pytest.approx((0.75 + 0.25) / 2)
     assert realized_ratio([10, 20], 100) == pytest.approx(0.15)
+
+
+def test_pyramid_budgets_are_fitted_once_per_arguments(monkeypatch):
+    """Kept per (L, alpha, m, beta) (``vlkv calibrate`` asks for the same ones per candidate and budget): the
+    fitted budgets, a list of the caller's own, fitted again for other arguments."""
+    calls = []
+    real = budgets_mod.fit_total
+    monkeypatch.setattr(budgets_mod, "fit_total", lambda *a: calls.append(a) or real(*a))
+    budgets_mod._pyramid.cache_clear()
+    first = pyramid_budgets(30, 0.05, 761, beta=4.0)
+    top, bottom = 2.0 - 1.0 / 4.0, 1.0 / 4.0
+    weights = [top - (top - bottom) * i / 29 for i in range(30)]
+    assert first == real(weights, sum(budgets_mod.uniform_budgets(30, 0.05, 761)), 1, 761)
+    first.append(-1)  # the caller's list: the kept result is not changed
+    again = pyramid_budgets(30, 0.05, 761, beta=4.0)
+    assert again == first[:-1] and len(calls) == 1
+    pyramid_budgets(30, 0.05, 762, beta=4.0)
+    assert len(calls) == 2  # another m: fitted anew
+    with pytest.raises(ValueError):
+        pyramid_budgets(30, 0.05, 761, beta=0.5)

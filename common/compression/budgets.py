@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -136,17 +137,23 @@ def pyramid_budgets(num_layers: int, alpha: float, m: int, *, beta: float = 20.0
 
     Relative to the mean budget, the last layer gets ``1 / beta`` and the first ``2 - 1 / beta``; the
     shares are then fitted to the total under ``[1, m]`` (layers that would exceed m pass the surplus on,
-    keeping the order) with :func:`fit_total`.
+    keeping the order) with :func:`fit_total`. A function of its four numbers alone, kept for the last 1024
+    (:func:`_pyramid`): ``vlkv calibrate`` asks for the same ones per candidate, budget and prompt.
     """
     _check(alpha, m, num_layers)
     if beta < 1:
         raise ValueError(f"pyramid beta must be >= 1, got {beta}")
+    return list(_pyramid(num_layers, alpha, m, beta))
+
+
+@lru_cache(maxsize=1024, typed=True)
+def _pyramid(num_layers: int, alpha: float, m: int, beta: float) -> tuple[int, ...]:
     total = sum(uniform_budgets(num_layers, alpha, m))
     if num_layers == 1 or total >= num_layers * m:
-        return [min(total // num_layers, m)] * num_layers
+        return (min(total // num_layers, m),) * num_layers
     top, bottom = 2.0 - 1.0 / beta, 1.0 / beta
     weights = [top - (top - bottom) * i / (num_layers - 1) for i in range(num_layers)]
-    return fit_total(weights, total, 1, m)
+    return tuple(fit_total(weights, total, 1, m))
 
 
 def cake_preferences(

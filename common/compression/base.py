@@ -94,6 +94,11 @@ class Policy:
     text_preset: a preset (``presets.py``) that compresses text-only prompts (no vision token, tau >= m) in
     this policy's place, its statistics rows included ("": this policy compresses every prompt; only for
     policies that keep the base ``query_start``, as ``vlcache`` does).
+    low_budget_preset, low_budget_below: at a budget below ``low_budget_below`` (0 < it < 1) the preset
+    ``low_budget_preset`` compresses the prompts this policy would, in its place (a text preset can so depend
+    on the budget: ``vlcache_text_by_budget``). The preset must read the same statistics rows (the same
+    ``query_start``, ``text_window``, ``question_min`` and ``question_max``: a prompt's statistics are taken
+    once, before the budget is applied) and set neither option itself. "" / 0.0: off.
     """
 
     name: ClassVar[str] = "base"
@@ -121,6 +126,8 @@ class Policy:
     lookahead: int = 0
     lookahead_weight: float = 0.5
     text_preset: str = ""
+    low_budget_preset: str = ""
+    low_budget_below: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.allocator, str):
@@ -133,6 +140,7 @@ class Policy:
             "layer_share",
             "lookahead_weight",
             "span_skip_weight",
+            "low_budget_below",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -163,6 +171,12 @@ class Policy:
         if self.text_preset and type(self).query_start is not Policy.query_start:
             raise ValueError(f"text_preset needs the base query rows; {self.name} chooses its own")
         self.text_policy()  # ValueError for an unknown or nested preset
+        if bool(self.low_budget_preset) != (0.0 < self.low_budget_below < 1.0):
+            raise ValueError(
+                "low_budget_preset and low_budget_below in (0, 1) go together, got "
+                f"{self.low_budget_preset!r} below {self.low_budget_below}"
+            )
+        self.low_budget_policy()  # ValueError for an unknown preset or one that reads other rows
         if self.post_vision_slope < 0:
             raise ValueError(f"post_vision_slope must be >= 0, got {self.post_vision_slope}")
 
@@ -183,9 +197,9 @@ class Policy:
     def requires_stats(self) -> bool:
         """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget (for some
         prompt: its ``text_preset``'s included)."""
-        text = self.text_policy()
         own = not self.always_full and (self.scores_need_stats or self.allocator.needs_stats)
-        return own or (text is not None and text.requires_stats)
+        others = (self.text_policy(), self.low_budget_policy())
+        return own or any(p is not None and p.requires_stats for p in others)
 
     def text_policy(self) -> Policy | None:
         """The policy of ``text_preset`` (None when unset); ValueError for an unknown preset or one that sets
@@ -199,16 +213,44 @@ class Policy:
             raise ValueError(f"text_preset {self.text_preset!r} sets a text_preset of its own")
         return policy
 
-    def for_prompt(self, m: int, tau: int) -> Policy:
+    def low_budget_policy(self) -> Policy | None:
+        """The policy of ``low_budget_preset`` (None when unset); ValueError for an unknown preset, one that
+        sets ``text_preset`` or ``low_budget_preset`` itself, or one that reads other statistics rows."""
+        if not self.low_budget_preset:
+            return None
+        from .presets import preset  # presets.py builds policies from this module
+
+        policy = preset(self.low_budget_preset)
+        if policy.text_preset or policy.low_budget_preset:
+            raise ValueError(f"low_budget_preset {self.low_budget_preset!r} hands prompts on itself")
+        rows = ("text_window", "question_min", "question_max")
+        if type(policy).query_start is not type(self).query_start or any(
+            getattr(policy, f) != getattr(self, f) for f in rows
+        ):
+            raise ValueError(
+                f"low_budget_preset {self.low_budget_preset!r} reads other statistics rows than {self.name} "
+                f"(its query_start, {', '.join(rows)} must be the same)"
+            )
+        return policy
+
+    def for_budget(self, alpha: float) -> Policy:
+        """The policy that compresses at budget ``alpha``: ``low_budget_preset``'s below
+        ``low_budget_below``, else this one."""
+        low = self.low_budget_policy() if alpha < self.low_budget_below else None
+        return self if low is None else low
+
+    def for_prompt(self, m: int, tau: int, alpha: float | None = None) -> Policy:
         """The policy that compresses a prompt of ``m`` tokens with ``tau`` post-vision ones: the
-        ``text_preset``'s for a text-only prompt (``tau >= m``) when set, else this one."""
+        ``text_preset``'s for a text-only prompt (``tau >= m``) when set, else this one; with ``alpha``, that
+        one's ``for_budget(alpha)``. Without it, the statistics rows are the same at every budget."""
         text = self.text_policy() if tau >= m else None
-        return self if text is None else text
+        policy = self if text is None else text
+        return policy if alpha is None else policy.for_budget(alpha)
 
     def lookahead_steps(self, alpha: float, m: int, tau: int) -> int:
         """Draft tokens the prefill worker decodes for a prompt of ``m`` tokens (``tau`` post-vision) at budget
         ``alpha``: the prompt's policy's (``for_prompt``) ``lookahead``, 0 when it keeps the full cache."""
-        policy = self.for_prompt(m, tau)
+        policy = self.for_prompt(m, tau, alpha)
         return 0 if policy.is_full(alpha) else policy.lookahead
 
     def observed_tau(self, m: int, tau: int, question: int = 0) -> int:
@@ -328,9 +370,10 @@ class Policy:
         """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``.
 
         Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``. A text-only prompt goes
-        to ``text_preset``'s policy when set. ``question``: as for ``query_start``.
+        to ``text_preset``'s policy when set, and at a budget below ``low_budget_below`` to
+        ``low_budget_preset``'s. ``question``: as for ``query_start``.
         """
-        policy = self.for_prompt(m, tau)
+        policy = self.for_prompt(m, tau, alpha)
         if policy is not self:
             return policy.plan(
                 stats_per_layer,
@@ -394,7 +437,7 @@ class Policy:
             stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau, question=question
         )
         scores = None
-        active = self.for_prompt(m, tau)
+        active = self.for_prompt(m, tau, alpha)
         if active.requires_stats and not active.is_full(alpha):  # plan checked the statistics
             rows = m - active.query_start(m, tau, question)
             scores = [kept_prompt_scores(s, idx, rows) for s, idx in zip(stats_per_layer, kept, strict=True)]

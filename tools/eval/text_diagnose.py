@@ -171,7 +171,7 @@ def _caches(prep, policy, budget, att, oracle_budgets=False, oracle_scores=False
     """The policy's cache of one prepared prompt; ``oracle_budgets``: at ``mass_budgets`` of the answer
     attention ``att`` (the policy's total); ``oracle_scores``: the policy's windows and sinks, its other
     slots by ``att`` (no pooling, spans or sharing)."""
-    policy = policy.for_prompt(prep.m, prep.tau)
+    policy = policy.for_prompt(prep.m, prep.tau, budget)
     m, layers = prep.m, len(prep.keys)
     stats = prep.stats(policy.query_start(m, prep.tau, prep.question), 0.01)
     tau = policy.observed_tau(m, prep.tau, prep.question)
@@ -239,7 +239,7 @@ def _decompose(model, processor, task, prepared, ids, positions, policy, budgets
             mine = answers[j * n : (j + 1) * n]
             right = sum(p.task.is_correct(t, p.example) for p, t in zip(prepared, mine, strict=True))
             print(f"  {label:40s} {right:3d}", flush=True)
-        active = policy.for_prompt(prepared[0].m, prepared[0].tau)
+        active = policy.for_prompt(prepared[0].m, prepared[0].tau, b)
         tau = active.observed_tau(prepared[0].m, prepared[0].tau, prepared[0].question)
         roles = [r for r in ("name", "is", "d1", "d2", "d3", "d4", "d5", *VALUE_ROLES) if r in positions[0]]
         print("  layer   k fixed " + " ".join(f"{r:>7s}" for r in roles) + "   (items kept: policy/oracle)")

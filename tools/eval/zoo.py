@@ -179,6 +179,11 @@ ABLATION = (
         "vlcache",
         {"text_preset": "vlcache_text_span_skip32"},
     ),
+    (
+        "text-only prompts: preset vlcache_text_by_budget",
+        "vlcache",
+        {"text_preset": "vlcache_text_by_budget"},
+    ),
 )
 
 

@@ -104,6 +104,7 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("text-only: preset vlcache_text", {**_VL, "text_preset": "vlcache_text"}),
     ("text-only: preset vlcache_lookup", {**_VL, "text_preset": "vlcache_lookup"}),
     ("text-only: preset vlcache_text_lowbudget", {**_VL, "text_preset": "vlcache_text_lowbudget"}),
+    ("text-only: preset vlcache_text_by_budget", {**_VL, "text_preset": "vlcache_text_by_budget"}),
     ("snapkv", {"policy": "snapkv"}),
     ("pyramidkv", {"policy": "pyramidkv"}),
 )

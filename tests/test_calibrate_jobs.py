@@ -167,3 +167,22 @@ def test_a_workers_error_names_its_prompts_and_stops_every_worker(prompts, tmp_p
     assert "vlkv calibrate: calibrate worker" in err and "failed at prompt 3:" in err
     assert not (tmp_path / "p.json").exists()
     assert not multiprocessing.active_children()
+
+
+def test_the_bar_counts_a_measured_prompt_as_measure_steps_and_a_re_ranked_one_as_one(
+    prompts, tmp_path, monkeypatch
+):
+    """The ETA weighs the two passes by their cost: the bar's total is ``MEASURE_STEPS`` per prompt plus one per
+    re-ranked prompt, and the run ends exactly there."""
+    bars: list[calibrate_jobs.Progress] = []
+
+    class Recording(calibrate_jobs.Progress):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "disable": True})
+            bars.append(self)
+
+    monkeypatch.setattr(calibrate_jobs, "Progress", Recording)
+    _run(prompts, tmp_path, "steps", 1, rerank=1, rerank_prompts=2)
+    (bar,) = bars
+    assert calibrate_jobs.MEASURE_STEPS > 1
+    assert bar.total == bar.n == calibrate_jobs.MEASURE_STEPS * 3 + 2

@@ -190,3 +190,16 @@ def test_the_recorded_command_names_a_seed_other_than_the_default():
     args = SimpleNamespace(n=100, members="text", rows="", jobs="1", seed=2, ablation=True)
     assert " --seed 2" in _command(args, "heldout")
     assert "--seed" not in _command(SimpleNamespace(**{**vars(args), "seed": 0}), "heldout")
+
+
+def test_the_text_dtype_is_bfloat16_unless_the_environment_names_another_and_results_record_it(monkeypatch):
+    monkeypatch.delenv(zoo_text.DTYPE_ENV, raising=False)
+    assert zoo_text.text_dtype() == "bfloat16"
+    monkeypatch.setenv(zoo_text.DTYPE_ENV, "float32")
+    assert zoo_text.text_dtype() == "float32"
+    _fake_pipeline(monkeypatch, lambda i: True)
+    r = zoo_text.run_task(None, None, _Task(0), 10, 0, "heldout", [], [0.1], 25, True, screen=10)
+    assert r["dtype"] == "float32"
+    monkeypatch.setenv(zoo_text.DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match="VLKV_TEXT_DTYPE='fp8'.*bfloat16, float32, float16"):
+        zoo_text.text_dtype()

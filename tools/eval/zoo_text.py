@@ -2,7 +2,8 @@
 
 Each (task, length) is a row group of its own, scored like a member (``TextTask`` has the member interface
 ``evaluation.prepare`` and ``zoo_scoring`` read). The model is the text-only wrapper
-(``smollm2.text_checkpoint()``, served as any user's LLaVA checkpoint) in bfloat16; prompts are one-turn,
+(``smollm2.text_checkpoint()``, served as any user's LLaVA checkpoint) in bfloat16 (``VLKV_TEXT_DTYPE``: another
+dtype, below); prompts are one-turn,
 text-only chats (no image). A task whose full-cache accuracy is below ``MIN_FULL`` is dropped: the tables
 name it and leave it out of every score.
 """
@@ -10,6 +11,7 @@ name it and leave it out of every score.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 from vlkv.common.config import ModelConfig
@@ -32,6 +34,13 @@ WEIGHT = 20
 """``vlkv eval --zoo``'s bar: steps of one example of a SmolLM2-135M member or one 1K text item (2K: twice as
 many), against 1 for a toy member's (CPU seconds here, 2026-11-27: 4-7.5 and 6-9, 15-17 at 2K, against
 0.2-0.5: ~0.1-0.2 s a step throughout, so the ETA holds from the toys to the text)."""
+DTYPE_ENV = "VLKV_TEXT_DTYPE"
+"""The text model's dtype, ``bfloat16`` unless this variable names another: on a CPU without native bfloat16
+(no AVX-512 BF16 / AMX) a bfloat16 matmul runs ~46x slower than float32 (AMD EPYC without AVX-512, 2026-11-28:
+3.7 s against 0.08 s for 1024 x 576 x 1536, one thread), so a text run there takes hours instead of minutes.
+Figures of different dtypes are not comparable cell by cell: each text result records its ``dtype``, and one
+protocol run's files should share it. Pool workers inherit it with the environment."""
+DTYPES = ("bfloat16", "float32", "float16")
 TEXT_LENGTHS = (1024, 2048)
 """The default run's lengths; 4,096 behind ``--text-lengths``."""
 
@@ -86,11 +95,19 @@ class TextTask:
         return ts.render(item, processor)
 
 
+def text_dtype() -> str:
+    """``DTYPE_ENV``'s dtype, ``bfloat16`` when unset; a ValueError naming the choices otherwise."""
+    dtype = os.environ.get(DTYPE_ENV, "").strip() or "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"{DTYPE_ENV}={dtype!r}: the text model's dtype must be one of {', '.join(DTYPES)}")
+    return dtype
+
+
 def load_text_model():
     from vlkv.tools.zoo.smollm2 import text_checkpoint
 
     path = str(text_checkpoint())
-    return load_model(ModelConfig(path=path, dtype="bfloat16")), load_processor(path)
+    return load_model(ModelConfig(path=path, dtype=text_dtype())), load_processor(path)
 
 
 def run_text(tasks, lengths, *args, **kwargs):
@@ -161,7 +178,7 @@ def run_task(
     progress bar, two steps an item (its prefill, its rows; a dropped task's rest at once); its own bars
     when None."""
     items = t.make_examples(n, seed, split)
-    result = {"eviction_trained": False, "real_decoder": True, "geometry": t.geometry}
+    result = {"eviction_trained": False, "real_decoder": True, "geometry": t.geometry, "dtype": text_dtype()}
     ids: list = []
     right: dict = {}
     ms: list[int] = []

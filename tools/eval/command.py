@@ -117,7 +117,7 @@ def add_eval_parser(sub) -> None:
         nargs="+",
         default=None,
         metavar="ZOO_JSON",
-        help="the tuning protocol v2.1 (per prompt kind) recomputed from saved `vlkv eval --zoo --ablation` JSON files (training and "
+        help="the tuning protocol v2.2 (per prompt kind) recomputed from saved `vlkv eval --zoo --ablation` JSON files (training and "
         "held-out splits; no model is run) -> protocol.md, protocol.json",
     )
     p.add_argument("--budgets", default="0.1,0.05", help="--api: comma-separated budgets")

@@ -1,4 +1,4 @@
-"""``vlkv eval --protocol FILES --out DIR``: the tuning protocol (v2.1) recomputed from saved results.
+"""``vlkv eval --protocol FILES --out DIR``: the tuning protocol (v2.2) recomputed from saved results.
 
 Reads ``vlkv eval --zoo --ablation`` outputs (``zoo.json`` / ``zoo_ablation.json``; several files are merged
 per split and member, so rows and members run apart add up: ``protocol_rules.load``), decides the text
@@ -25,6 +25,8 @@ from vlkv.tools.eval.protocol_rules import (
 )
 from vlkv.tools.eval.zoo_report import model_bound
 
+VERSION = "2.2"
+"""v2.2 (2026-11-28): v2.1 with the tie rule of ``protocol_ties.py``."""
 TITLES = {"text": "Text-only prompts: `text_preset`", "image": "Image prompts: every other option"}
 
 
@@ -55,12 +57,26 @@ def _scores(dim: Dimension) -> list[str]:
     md = [
         "### Scores on the training splits",
         "",
-        "| candidate | score (every member) | real members (decoder, text) | the others | mean over members |",
-        "| --- | --- | --- | --- | --- |",
+        "| candidate | score (every member) | real members (decoder, text) | the others | mean over members "
+        "| changed answers | changed budgets |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, w, a, b, c in dim.choice.table:
         mark = " (chosen)" if label == dim.choice.label else (" (current)" if label == dim.current else "")
-        md.append(f"| {label}{mark} | {w:.3f} | {a:.3f} | {b:.3f} | {c:.3f} |")
+        answers, budgets = dim.choice.changes.get(label, (None, None))
+        shown = ["-" if v is None else str(v) for v in (answers, budgets)]
+        md.append(f"| {label}{mark} | {w:.3f} | {a:.3f} | {b:.3f} | {c:.3f} | {shown[0]} | {shown[1]} |")
+    md.append("")
+    md.append(
+        "Ties (v2.2): among candidates equal on the scores, fewer changed answers (training examples, against "
+        "the current default), then fewer changed budgets (the resolved policy), then the table's order."
+    )
+    if dim.choice.not_comparable:
+        md.append(
+            "Not comparable (no per-example hits for a tied row): "
+            + ", ".join(dim.choice.not_comparable)
+            + "; left out of the changed answers."
+        )
     return md + [""]
 
 
@@ -146,7 +162,7 @@ def render_dimension(dim: Dimension, train: dict, heldout: dict, budgets=BUDGETS
 
 
 def render(text: Dimension, image: Dimension, train: dict, heldout: dict, command: str, budgets=BUDGETS):
-    md = ["# Tuning protocol v2.1 (per prompt kind)", "", f"Command: `{command}`", ""]
+    md = [f"# Tuning protocol v{VERSION} (per prompt kind)", "", f"Command: `{command}`", ""]
     return (
         md
         + render_dimension(text, train, heldout, budgets)
@@ -173,6 +189,8 @@ def summary(dim: Dimension) -> dict:
         else [],
         "heldout_points": d.checks if d else {},
         "table": dim.choice.table if dim.choice else [],
+        "changes": dim.choice.changes if dim.choice else {},
+        "not_comparable": dim.choice.not_comparable if dim.choice else [],
     }
     if dim.kind == "text":
         out |= {"preset": dim.preset, "image_check": dim.image_check}
@@ -193,7 +211,7 @@ def run_protocol(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "protocol.md").write_text("\n".join(md) + "\n")
-    result = {"version": "2.1", "text": summary(text), "image": summary(image)}
+    result = {"version": VERSION, "text": summary(text), "image": summary(image)}
     (out / "protocol.json").write_text(json.dumps(result, indent=1))
     print("\n".join(md))
     print(f"wrote {out / 'protocol.md'} and protocol.json")

@@ -1,4 +1,4 @@
-"""Protocol v2.1: the default chosen per prompt kind (``common/compression/README.md``, "Protocol v2.1").
+"""Protocol v2.1 (v2.2: its tie rule, ``protocol_ties.py``): the default chosen per prompt kind (``common/compression/README.md``, "Protocol v2.1").
 
 ``text_preset`` hands text-only prompts to a preset and leaves image prompts bitwise unchanged: image members
 carry no evidence about it, and once a preset governs text-only prompts the image options say nothing about
@@ -33,15 +33,10 @@ from vlkv.tools.eval.protocol_rules import (
     current_label,
     decide,
 )
+from vlkv.tools.eval.protocol_ties import is_text
 
-TEXT_PREFIX = "text "
-"""Names of the real-text tasks (``zoo_text.TextTask.name``: ``text <task> <length>K``)."""
 NO_IMAGE_EVIDENCE = "no image evidence in these files: not rerun"
 EQUAL, DIFFERS, NOT_MEASURED = "equal", "differs", "not measured"
-
-
-def is_text(name: str) -> bool:
-    return name.startswith(TEXT_PREFIX)
 
 
 def configs_of(results: dict) -> dict:
@@ -128,14 +123,14 @@ def decide_text(train: dict, heldout: dict, budgets=BUDGETS) -> Dimension:
     labels = [x for x in candidates(train, names) if x == current or x in rows] if names else []
     dim = Dimension("text", names, labels, current, image_check=image_check(heldout, rows, current))
     if names and labels:
-        dim.choice = choose(train, names, labels, budgets)
+        dim.choice = choose(train, names, labels, budgets, "text")
     if len(names) < 2:
         dim.note = f"not decidable: {len(names)} text member{'' if len(names) == 1 else 's'}"
         return dim
     if current not in labels or len(labels) < 2:
         dim.note = "not decidable: no text-preset row (or no current default) on every text member"
         return dim
-    d = decide(train, heldout, budgets, names, labels, checked=_text_checked)
+    d = decide(train, heldout, budgets, names, labels, checked=_text_checked, kind="text")
     flagged = [m for m, by in dim.image_check.items() if by.get(d.choice.label) == DIFFERS]
     if flagged:
         d.reasons.append(
@@ -164,14 +159,14 @@ def decide_image(train: dict, heldout: dict, text_adopted: bool, budgets=BUDGETS
         dim.note = "not decidable: no candidate row on every image member"
         return dim
     if len(names) < 2:  # no member can be left out: the scores are shown, nothing is adopted
-        dim.choice = choose(train, names, labels, budgets)
+        dim.choice = choose(train, names, labels, budgets, "image")
         dim.note = f"not decidable: {len(names)} member"
         return dim
 
     def checked(name: str, r: dict) -> bool:
         return checked_v2(name, r) and not (text_adopted and is_text(name))
 
-    dim.decision = decide(train, heldout, budgets, names, labels, checked=checked)
+    dim.decision = decide(train, heldout, budgets, names, labels, checked=checked, kind="image")
     dim.choice = dim.decision.choice
     return dim
 

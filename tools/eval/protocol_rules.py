@@ -9,7 +9,9 @@ members and candidate rows (``protocol_kinds.py`` picks them per prompt kind; ``
   oracle row, model-bound cells (better oracle < 0.9 of full) left out; averaged over the budgets.
 - **Choosing** (``choose``): the best score on every member; among the candidates within ``TIE``
   of it (1 point, or two items of the smallest n when that is more: one item is 2 points at n = 50), the best
-  score on the real members, then on the others, then the mean relative accuracy over every member.
+  score on the real members, then on the others, then the mean relative accuracy over every member; then
+  (v2.2, ``protocol_ties.py``) fewer changed answers, then fewer changed budgets against the current default;
+  then the table's order.
 - **Leave-one-member-out** (``lomo``): per member, the choice on the *other* members' training
   splits, checked on the left-out member's held-out split against the current default: no budget (not
   model-bound) more than ``MAX_DROP`` points below it.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlkv.common.compression.registry import DEFAULT_POLICY
+from vlkv.tools.eval.protocol_ties import kind_of, tie_keys
 from vlkv.tools.eval.zoo_report import better_oracle, counts, finalize, model_bound
 from vlkv.tools.eval.zoo_scoring import ORACLES
 
@@ -137,16 +140,20 @@ def candidates(results: dict, names=None) -> list[str]:
 class Choice:
     label: str
     table: list[tuple[str, float, float, float, float]]  # (candidate, every member, real, others, mean)
+    changes: dict = field(default_factory=dict)  # v2.2: {candidate: (changed answers, changed budgets)}
+    not_comparable: list[str] = field(default_factory=list)  # members left out of the changed answers
 
 
 def _key(x: float) -> float:
     return -1.0 if math.isnan(x) else x
 
 
-def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
+def choose(results: dict, names, labels, budgets=BUDGETS, kind: str | None = None) -> Choice:
     """The candidate with the best score on every member of ``names`` (the worst member's); among those within
     the tie of it (``TIE``, or ``TIE_ITEMS`` items of the smallest n when that is more), the best score on the
-    real members, then on the others, then the best mean; then the table's order."""
+    real members, then on the others, then the best mean; then (v2.2) fewer changed answers, then fewer changed
+    budgets for prompts of ``kind`` ("text" / "image"; default: "text" when every member is a text task)
+    against the current default (``protocol_ties.py``); then the table's order."""
     real = [n for n in names if is_real(n, results[n])]
     other = [n for n in names if n not in real]
     rows = [
@@ -162,9 +169,20 @@ def choose(results: dict, names, labels, budgets=BUDGETS) -> Choice:
     best = max(_key(row[1]) for row in rows)
     tie = max(TIE, TIE_ITEMS / min(results[n].get("n") or 1 for n in names))
     pool = [row for row in rows if _key(row[1]) >= best - tie - 1e-12]
-    ranked = sorted(pool, key=lambda t: tuple(-_key(v) for v in t[2:]))
-    rest = sorted((r for r in rows if r not in pool), key=lambda t: tuple(-_key(v) for v in t[1:]))
-    return Choice(ranked[0][0], ranked + rest)
+    kind = kind or kind_of(names)
+    changes, skipped = tie_keys(
+        results, names, labels, [r[0] for r in pool], current_label(results), kind, budgets
+    )
+
+    def smaller(label: str) -> tuple:
+        answers, budgets_changed = changes[label]
+        return (math.inf if answers is None else answers, budgets_changed)
+
+    ranked = sorted(pool, key=lambda t: (*(-_key(v) for v in t[2:]), *smaller(t[0])))
+    rest = sorted(
+        (r for r in rows if r not in pool), key=lambda t: (*(-_key(v) for v in t[1:]), *smaller(t[0]))
+    )
+    return Choice(ranked[0][0], ranked + rest, changes, skipped)
 
 
 def drops(r: dict, label: str, base: str, budgets=BUDGETS, every_budget: bool = False) -> list:
@@ -197,13 +215,15 @@ class Fold:
         return self.measured and holds(self.diffs)
 
 
-def lomo(train: dict, heldout: dict, labels, current: str, budgets=BUDGETS, names=None) -> list[Fold]:
+def lomo(
+    train: dict, heldout: dict, labels, current: str, budgets=BUDGETS, names=None, kind: str | None = None
+) -> list[Fold]:
     """One fold per member of ``names`` (default: every member that counts): the choice on the others'
     training splits, checked on its held-out."""
     names = counting(train) if names is None else list(names)
     folds = []
     for left in names:
-        pick = choose(train, [n for n in names if n != left], labels, budgets).label
+        pick = choose(train, [n for n in names if n != left], labels, budgets, kind or kind_of(names)).label
         r = heldout.get(left, {})
         rows = r.get("rows", {})
         measured = pick in rows and current in rows
@@ -231,17 +251,19 @@ def checked_v2(name: str, r: dict) -> bool:
 
 
 def decide(
-    train: dict, heldout: dict, budgets=BUDGETS, names=None, labels=None, checked=checked_v2
+    train: dict, heldout: dict, budgets=BUDGETS, names=None, labels=None, checked=checked_v2, kind=None
 ) -> Decision:
     """v2 over ``names`` (default: every member that counts) and ``labels`` (default: ``candidates``); the
-    held-out check covers the held-out members for which ``checked(name, result)`` is true."""
+    held-out check covers the held-out members for which ``checked(name, result)`` is true; ``kind``: the
+    prompt kind the v2.2 tie rule resolves policies for (default: ``protocol_ties.kind_of(names)``)."""
     names = counting(train) if names is None else list(names)
     labels = candidates(train, names) if labels is None else list(labels)
     if not labels:
         raise ValueError("no candidate row that every member that counts has on the training split")
     current = current_label(train)
-    choice = choose(train, names, labels, budgets)
-    folds = lomo(train, heldout, labels, current, budgets, names)
+    kind = kind or kind_of(names)
+    choice = choose(train, names, labels, budgets, kind)
+    folds = lomo(train, heldout, labels, current, budgets, names, kind)
     reasons = []
     if choice.label == current:
         reasons.append("the choice is the current default")

@@ -2,7 +2,11 @@
 changed answers against the current default, then fewer changed budgets (the resolved policy), then the
 table's order; a score difference is never overridden."""
 
+import json
+from types import SimpleNamespace
+
 import pytest
+from vlkv.tools.eval import protocol
 from vlkv.tools.eval.protocol_kinds import decide_kinds
 from vlkv.tools.eval.protocol_rules import CURRENT, choose
 from vlkv.tools.eval.protocol_ties import budget_changes, resolved
@@ -115,3 +119,20 @@ def test_the_needle_fold_of_issue_38_now_checks_by_budget():
     text, _ = decide_kinds(train, heldout, BUDGETS)
     assert [f.choice for f in text.decision.folds] == [Y, Y, Y]
     assert text.adopted and text.preset == BY, text.decision.reasons
+
+
+def test_run_protocol_writes_version_2_2_and_the_tie_keys(tmp_path):
+    base = {CURRENT: (hits(8), hits(18)), S: (hits(14), hits(18)), Y: (hits(14), hits(18))}
+    needle = {CURRENT: (hits(8), hits(18)), S: (hits(14), hits(16)), Y: (hits(14), hits(18))}
+    paths = []
+    for split in ("train", "heldout"):
+        results = {TEXTS[0]: member(needle)} | {t: member(base) for t in TEXTS[1:]}
+        (tmp_path / f"{split}.json").write_text(
+            json.dumps({"split": split, "n": N, "configs": CFG, "results": results})
+        )
+        paths.append(str(tmp_path / f"{split}.json"))
+    assert protocol.run_protocol(SimpleNamespace(protocol=paths, out=str(tmp_path / "out"))) == 0
+    summary = json.loads((tmp_path / "out" / "protocol.json").read_text())
+    assert summary["version"] == "2.2" and summary["text"]["preset"] == BY
+    assert summary["text"]["changes"][CURRENT] == [0, 0]
+    assert "| changed answers | changed budgets |" in (tmp_path / "out" / "protocol.md").read_text()

@@ -53,6 +53,10 @@ class Policy:
     post_vision_cap: the largest share of a layer's budget the post-vision window takes (0.5: half).
     post_vision_slope: > 0 makes that share shrink with the layer's budget: at most
     ``post_vision_slope * k / m`` of it (so at 10% with slope 5 the cap is 0.5, at 2% it is 0.1).
+    post_vision_max: > 0 caps that share at this many slots whatever the budget (0: no cap), so a larger budget
+    adds scored tokens only: a text-only prompt's window keeps the question's last tokens (its instruction and
+    the chat template's tail), as at 5%, instead of growing to the whole question, which the model then
+    echoes (``common/compression/README.md``, "the 10% needle loss").
     post_vision_by_score: the post-vision window's slots go to the post-vision tokens with the best scores
     (the question's key words wherever they sit) rather than to the last ones.
     post_vision_layers: with ``post_vision_window``, the window is kept in the first ``post_vision_layers``
@@ -110,6 +114,7 @@ class Policy:
     post_vision_window: bool = False
     post_vision_cap: float = 0.5
     post_vision_slope: float = 0.0
+    post_vision_max: int = 0
     post_vision_by_score: bool = False
     post_vision_layers: int = 0
     sink_tokens: int = 0
@@ -153,6 +158,7 @@ class Policy:
             "span_skip",
             "lookahead",
             "post_vision_layers",
+            "post_vision_max",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -354,7 +360,7 @@ class Policy:
     def post_vision_share(self, k: int, m: int) -> int:
         """How many of a layer's ``k`` slots the post-vision window may take outright
         (``selection.post_vision_share``)."""
-        return post_vision_share(k, m, self.post_vision_cap, self.post_vision_slope)
+        return post_vision_share(k, m, self.post_vision_cap, self.post_vision_slope, self.post_vision_max)
 
     def plan(
         self,

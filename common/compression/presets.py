@@ -81,6 +81,14 @@ but its answer repeats the question and the token limit cuts the number), so the
 10% (compression README, "Text-only prompts: the preset by budget"). Protocol v2.1's training choice (0.815);
 held-out seed 4 (n = 100): within 1 point of the default on all five tasks, +45-73 at 2%, but not adopted: the
 ``needle`` fold's choice (skip32, a tie) loses 3 points at 10%.
+
+``vlcache_text_lean_w24_skip32_q12``: ``vlcache_text_lean_w24_skip32`` whose question window keeps at most 12
+slots (``post_vision_max=12``; compression README, "Text-only prompts: the 10% needle loss"). At 1K tokens the
+window has 12 slots at 5% (the question's last 12 tokens: "Answer with the number only." and the chat
+template's tail) and grows to the whole 24-token window at 10%, which adds "What is the secret number of
+NAME?"; on the training items lost at 10% (and not at 5%) the model then echoes that question ('The answer to
+the question "What is the secret number of Yara?" is 927') and the 20-token limit cuts the number. Capped,
+a larger budget only adds scored tokens; at 1-5% on 1K prompts it is skip32 slot for slot.
 """
 
 from __future__ import annotations
@@ -161,6 +169,9 @@ PRESETS["vlcache_text_by_budget"] = PRESETS["vlcache_text_span"] | {
     "low_budget_preset": "vlcache_text_lean_w24_skip32",
     "low_budget_below": 0.075,
 }
+# The question window stops growing at its 5% size (12 slots at 1K): a larger budget adds scored tokens only
+# (#38, needle10: the whole question kept outright at 10% is echoed and the token limit cuts the number).
+PRESETS["vlcache_text_lean_w24_skip32_q12"] = PRESETS["vlcache_text_lean_w24_skip32"] | {"post_vision_max": 12}
 PRESETS["vlcache_text_question"] = PRESETS["vlcache_text_span"] | {"question_min": 8, "question_max": 48}
 PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
     "lookahead": 16,

@@ -184,6 +184,11 @@ ABLATION = (
         "vlcache",
         {"text_preset": "vlcache_text_by_budget"},
     ),
+    (
+        "text-only prompts: preset vlcache_text_lean_w24_skip32_q12",
+        "vlcache",
+        {"text_preset": "vlcache_text_lean_w24_skip32_q12"},
+    ),
 )
 
 

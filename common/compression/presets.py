@@ -88,7 +88,9 @@ window has 12 slots at 5% (the question's last 12 tokens: "Answer with the numbe
 template's tail) and grows to the whole 24-token window at 10%, which adds "What is the secret number of
 NAME?"; on the training items lost at 10% (and not at 5%) the model then echoes that question ('The answer to
 the question "What is the secret number of Yara?" is 927') and the 20-token limit cuts the number. Capped,
-a larger budget only adds scored tokens; at 1-5% on 1K prompts it is skip32 slot for slot.
+a larger budget only adds scored tokens; at 1-5% on 1K prompts it is skip32 but where a layer's 5% budget is 52
+(m >= 1021), whose window skip32 gives 13 slots. Training needle 1K, float32, n = 100: 0.99 at 10% (skip32 0.96,
+the default 0.97, the better oracle 0.99); not the default.
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ PRESETS["vlcache_text_by_budget"] = PRESETS["vlcache_text_span"] | {
 }
 # The question window stops growing at its 5% size (12 slots at 1K): a larger budget adds scored tokens only
 # (#38, needle10: the whole question kept outright at 10% is echoed and the token limit cuts the number).
-PRESETS["vlcache_text_lean_w24_skip32_q12"] = PRESETS["vlcache_text_lean_w24_skip32"] | {"post_vision_max": 12}
+PRESETS["vlcache_text_lean_w24_skip32_q12"] = PRESETS["vlcache_text_lean_w24_skip32"] | {
+    "post_vision_max": 12
+}
 PRESETS["vlcache_text_question"] = PRESETS["vlcache_text_span"] | {"question_min": 8, "question_max": 48}
 PRESETS["vlcache_text_span_lookahead"] = PRESETS["vlcache_text_span"] | {
     "lookahead": 16,

@@ -90,7 +90,8 @@ NAME?"; on the training items lost at 10% (and not at 5%) the model then echoes 
 the question "What is the secret number of Yara?" is 927') and the 20-token limit cuts the number. Capped,
 a larger budget only adds scored tokens; at 1-5% on 1K prompts it is skip32 but where a layer's 5% budget is 52
 (m >= 1021), whose window skip32 gives 13 slots. Training needle 1K, float32, n = 100: 0.99 at 10% (skip32 0.96,
-the default 0.97, the better oracle 0.99); not the default.
+the default 0.97, the better oracle 0.99), but niah_single_3 0.90 at 5% (n = 20; skip32 and the default 1.00: the
+cap binds where the 5% window has 13 slots); not adopted.
 """
 
 from __future__ import annotations

@@ -28,14 +28,19 @@ def _setup(spec: dict) -> dict:
 
 
 def _work(item, state: dict, bar):
-    """``("square", x)``, ``("sleep", s)``, ``("fail", _)`` or ``("die", _)``; each started item leaves a file
-    named for its worker's pid in ``state["pids"]`` (when set)."""
+    """``("square", x)``, ``("sleep", s)``, ``("await", n)``, ``("fail", _)`` or ``("die", _)``; each started
+    item leaves a file named for its worker's pid in ``state["pids"]`` (when set)."""
     if state.get("pids"):
         (Path(state["pids"]) / str(os.getpid())).touch()
     kind, x = item
     bar.update(2)
     if kind == "sleep":
         time.sleep(x)
+    elif kind == "await":  # until x items have started (one file per worker), at most 60 s
+        for _ in range(600):
+            if len(list(Path(state["pids"]).iterdir())) >= x:
+                break
+            time.sleep(0.1)
     elif kind == "fail":
         raise ValueError(f"bad item {x}")
     elif kind == "die":
@@ -94,9 +99,10 @@ def test_a_failure_stops_every_worker_and_names_the_item(items, spec, where, cau
 
 
 def scenario(pids: str, fail: bool) -> None:
-    """A parent for the tests below: two workers asleep in an item; with ``fail``, one wakes and fails the
-    next item while the other sleeps on."""
-    items = [("sleep", 120), ("sleep", 0.5), ("fail", 3)] if fail else [("sleep", 120), ("sleep", 120)]
+    """A parent for the tests below: two workers asleep in an item; with ``fail``, one waits until the other has
+    started its item (a worker slow to start up could otherwise miss the run: seen on a loaded 2-core machine),
+    then fails the next item while the other sleeps on."""
+    items = [("sleep", 120), ("await", 2), ("fail", 3)] if fail else [("sleep", 120), ("sleep", 120)]
     with Pool(2, _work, _setup, {"pids": pids}, label=_label) as pool:
         pool.run(items)
 

@@ -33,15 +33,10 @@ from vlkv.tools.eval.protocol_rules import (
     current_label,
     decide,
 )
-from vlkv.tools.eval.protocol_ties import is_text
+from vlkv.tools.eval.protocol_ties import configs_of, is_text
 
 NO_IMAGE_EVIDENCE = "no image evidence in these files: not rerun"
 EQUAL, DIFFERS, NOT_MEASURED = "equal", "differs", "not measured"
-
-
-def configs_of(results: dict) -> dict:
-    """The rows' recorded configs (``{label: {"policy": ..., "params": {...}}}``, merged over the files)."""
-    return next((r["configs"] for r in results.values() if r.get("configs")), {})
 
 
 def preset_of(config: dict) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlkv.common.compression.registry import DEFAULT_POLICY
-from vlkv.tools.eval.protocol_ties import kind_of, tie_keys
+from vlkv.tools.eval.protocol_ties import is_text, kind_of, tie_keys
 from vlkv.tools.eval.zoo_report import better_oracle, counts, finalize, model_bound
 from vlkv.tools.eval.zoo_scoring import ORACLES
 
@@ -75,7 +75,7 @@ def load(paths) -> dict[str, dict[str, dict]]:
 
 def is_real(name: str, r: dict) -> bool:
     """A real-decoder member or a real-text task (SmolLM2-135M-Instruct)."""
-    return bool(r.get("real_decoder", name.startswith("text ") or "SmolLM2" in r.get("geometry", "")))
+    return bool(r.get("real_decoder", is_text(name) or "SmolLM2" in r.get("geometry", "")))
 
 
 def current_label(results: dict) -> str:

@@ -35,6 +35,11 @@ def is_text(name: str) -> bool:
     return name.startswith(TEXT_PREFIX)
 
 
+def configs_of(results: dict) -> dict:
+    """The rows' recorded configs (``{label: {"policy": ..., "params": {...}}}``, merged over the files)."""
+    return next((r["configs"] for r in results.values() if r.get("configs")), {})
+
+
 def kind_of(names) -> str:
     """The prompt kind a set of members decides: "text" when every one is a text task, else "image"."""
     names = list(names)
@@ -107,7 +112,7 @@ def tie_keys(results: dict, names, labels, pool, current: str, kind: str, budget
     ``pool`` (the candidates within the score tie) and ``current`` are comparable."""
     names = list(names)
     ok, skipped = comparable_members(results, names, pool, current, budgets)
-    configs = next((results[n]["configs"] for n in names if results[n].get("configs")), {})
+    configs = configs_of({n: results[n] for n in names})
     keys = {
         x: (
             answer_changes(results, x, current, ok, budgets),

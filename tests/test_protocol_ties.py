@@ -9,7 +9,7 @@ import pytest
 from vlkv.tools.eval import protocol
 from vlkv.tools.eval.protocol_kinds import decide_kinds
 from vlkv.tools.eval.protocol_rules import CURRENT, choose
-from vlkv.tools.eval.protocol_ties import budget_changes, resolved
+from vlkv.tools.eval.protocol_ties import budget_changes, recorded, resolved
 from vlkv.tools.eval.zoo_report import finalize
 from vlkv.tools.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
 
@@ -83,6 +83,21 @@ def test_budget_changes_resolve_the_policy_for_the_prompt_kind():
     broken = {"x": {"policy": "vlcache", "params": {"text_preset": "no such preset"}}}
     assert resolved(broken["x"], "text", 0.1) is None
     assert budget_changes(CFG | broken, "x", CURRENT, "text", (0.01, 0.1)) == 2  # unresolvable: changed
+
+
+def test_budget_changes_read_the_policies_the_run_recorded_not_todays_defaults():
+    # a "defaults" row recorded when the default's text preset was skip32: its file keeps what it ran
+    then = {"policy": "vlcache", "params": {}}
+    then["resolved"] = json.loads(json.dumps(recorded(CFG[S], BUDGETS)))  # as the zoo JSON holds it
+    cfg = CFG | {CURRENT: then}
+    assert budget_changes(cfg, S, CURRENT, "text", BUDGETS) == 0
+    assert budget_changes(cfg, Y, CURRENT, "text", BUDGETS) == 1  # by_budget is skip32 at 1% only
+    # without the record, "{}" reads as today's defaults (span): skip32 then differs at both budgets
+    assert (
+        budget_changes(CFG | {CURRENT: {"policy": "vlcache", "params": {}}}, S, CURRENT, "text", BUDGETS) == 2
+    )
+    # a budget the run did not record is resolved from the params
+    assert budget_changes(cfg, S, CURRENT, "text", (0.02,)) == 1
 
 
 def test_a_score_difference_is_never_overridden():

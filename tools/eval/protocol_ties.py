@@ -95,14 +95,25 @@ def resolved(config: dict | None, kind: str, alpha: float) -> dict | None:
     return {k: v for k, v in d.items() if k not in ROUTING}
 
 
+def recorded(config: dict, budgets) -> dict:
+    """What a run records as ``config["resolved"]``: ``{kind: {str(budget): resolved(...)}}`` for both prompt
+    kinds, so the file keeps the policies the run used whatever the code's defaults become."""
+    return {kind: {str(b): resolved(config, kind, b) for b in budgets} for kind in PROMPT}
+
+
+def _resolved_at(config: dict | None, kind: str, alpha: float) -> dict | None:
+    saved = (config or {}).get("resolved", {}).get(kind, {})
+    return saved[str(alpha)] if str(alpha) in saved else resolved(config, kind, alpha)
+
+
 def budget_changes(configs: dict, label: str, current: str, kind: str, budgets) -> int:
     """Budgets at which ``label``'s resolved policy for ``kind`` differs from ``current``'s (unresolvable:
-    changed)."""
+    changed); the policies the run recorded where it did."""
     if label == current:
         return 0
     out = 0
     for b in budgets:
-        mine, base = resolved(configs.get(label), kind, b), resolved(configs.get(current), kind, b)
+        mine, base = _resolved_at(configs.get(label), kind, b), _resolved_at(configs.get(current), kind, b)
         out += mine is None or base is None or mine != base
     return out
 

@@ -36,6 +36,7 @@ from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval import zoo_report
 from vlkv.tools.eval.evaluation import prepare
+from vlkv.tools.eval.protocol_ties import recorded
 from vlkv.tools.eval.zoo_report import finalize, worst_member
 from vlkv.tools.eval.zoo_scoring import FULL, merge, score_chunk
 from vlkv.tools.eval.zoo_text import (
@@ -326,6 +327,8 @@ def run_zoo(args) -> int:
     start = time.perf_counter()
     results: dict = {}
     described = {label: {"policy": policy, "params": params} for label, policy, params in configs}
+    for d in described.values():  # the policies this run used, whatever the defaults become (protocol v2.2)
+        d["resolved"] = recorded(d, budgets)
 
     def write() -> list[str]:  # after every member, so a long run leaves its tables as it goes
         md = zoo_report.render(

@@ -104,7 +104,8 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("text-only: preset vlcache_text", {**_VL, "text_preset": "vlcache_text"}),
     ("text-only: preset vlcache_lookup", {**_VL, "text_preset": "vlcache_lookup"}),
     ("text-only: preset vlcache_text_lowbudget", {**_VL, "text_preset": "vlcache_text_lowbudget"}),
-    ("text-only: preset vlcache_text_by_budget", {**_VL, "text_preset": "vlcache_text_by_budget"}),
+    # the text default before protocol v2.2 adopted vlcache_text_by_budget (2026-11-28; now the default's)
+    ("text-only: preset vlcache_text_span", {**_VL, "text_preset": "vlcache_text_span"}),
     ("snapkv", {"policy": "snapkv"}),
     ("pyramidkv", {"policy": "pyramidkv"}),
 )

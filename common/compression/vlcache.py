@@ -4,8 +4,10 @@ Statistics: rows ``m - tau .. m-1`` (the language tokens after the last vision t
 last ``min(m, 8)`` rows (see ``selection.post_vision_start``). A text-only prompt (tau = m) has no
 post-vision text to tell it apart from the rest: its last ``text_window`` (32) tokens take that role, as
 SnapKV's observation window (they score the rest; kept outright, up to the window's cap, only with
-``post_vision_window``), when ``text_preset`` is "". By default a text-only prompt goes to the preset ``vlcache_text_span`` (protocol v2.1,
-``common/compression/README.md``): a 24-row observation window, 16-token spans after what it looks up.
+``post_vision_window``), when ``text_preset`` is "". By default a text-only prompt goes to the preset
+``vlcache_text_by_budget`` (protocol v2.2 and held-out seed 5, ``common/compression/README.md``): at 7.5% and
+above ``vlcache_text_span`` (a 24-row observation window, 16-token spans after what it looks up), below it
+``vlcache_text_lean_w24_skip32``.
 The prompts vlcache scores itself (image prompts; text-only ones too with ``text_preset=""``) mix in the
 attention of a 16-token greedy draft decoded over the full
 cache at prefill (``lookahead``, ``lookahead.py``).
@@ -35,8 +37,9 @@ class VLCachePolicy(Policy):
     question's last tokens kept outright (up to half the budget), the ``ABLATION`` row "vlcache before
     draft-mass budgets". Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is
     ``allocator=Sparsity()``; the paper's policy as first shipped is the preset ``vlcache_paper``
-    (``presets.py``). Text-only prompts (no image): the preset ``vlcache_text_span`` (``text_preset``, chosen
-    per prompt kind by protocol v2.1 on five text tasks), which pins its own allocator and window; with
+    (``presets.py``). Text-only prompts (no image): the preset ``vlcache_text_by_budget`` (``text_preset``,
+    chosen per prompt kind by protocol v2.2 on five text tasks, held-out seed 5), which pins its own allocator
+    and window; with
     ``text_preset=""`` a 32-token observation window (SnapKV's paper default) scores the rest, with this
     policy's budgets and window settings.
     """
@@ -47,4 +50,4 @@ class VLCachePolicy(Policy):
     pool_kernel: int = 3
     post_vision_window: bool = False
     text_window: int = 32
-    text_preset: str = "vlcache_text_span"
+    text_preset: str = "vlcache_text_by_budget"

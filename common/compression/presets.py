@@ -80,7 +80,9 @@ one ``niah_single_2`` item at 5%, and loses ``needle`` items at 10% (0.94 agains
 but its answer repeats the question and the token limit cuts the number), so the switch sits between 5% and
 10% (compression README, "Text-only prompts: the preset by budget"). Protocol v2.1's training choice (0.815);
 held-out seed 4 (n = 100): within 1 point of the default on all five tasks, +45-73 at 2%, but not adopted: the
-``needle`` fold's choice (skip32, a tie) loses 3 points at 10%.
+``needle`` fold's choice (skip32, a tie) loses 3 points at 10%. **vlcache's text default since 2026-11-28**:
+protocol v2.2 (ties to the smaller change) chooses it in every fold, and on held-out seed 5 (n = 100, float32)
+every fold holds: +42 to +78 points at 2%, +0 to +10 at 5%, +0 at 10%, never below ``vlcache_text_span``.
 
 ``vlcache_text_lean_w24_skip32_q12``: ``vlcache_text_lean_w24_skip32`` whose question window keeps at most 12
 slots (``post_vision_max=12``; compression README, "Text-only prompts: the 10% needle loss"). At 1K tokens the

@@ -39,9 +39,8 @@ class VLCachePolicy(Policy):
     ``allocator=Sparsity()``; the paper's policy as first shipped is the preset ``vlcache_paper``
     (``presets.py``). Text-only prompts (no image): the preset ``vlcache_text_by_budget`` (``text_preset``,
     chosen per prompt kind by protocol v2.2 on five text tasks, held-out seed 5), which pins its own allocator
-    and window; with
-    ``text_preset=""`` a 32-token observation window (SnapKV's paper default) scores the rest, with this
-    policy's budgets and window settings.
+    and window; with ``text_preset=""`` a 32-token observation window (SnapKV's paper default) scores the
+    rest, with this policy's budgets and window settings.
     """
 
     name = "vlcache"

@@ -162,3 +162,26 @@ def test_run_protocol_writes_version_2_2_and_the_tie_keys(tmp_path):
     assert summary["version"] == "2.2" and summary["text"]["preset"] == BY
     assert summary["text"]["changes"][CURRENT] == [0, 0]
     assert "| changed answers | changed budgets |" in (tmp_path / "out" / "protocol.md").read_text()
+
+
+def test_files_whose_defaults_row_ran_other_policies_are_refused_not_merged(tmp_path):
+    results = {TEXTS[0]: member({CURRENT: (hits(8), hits(18)), S: (hits(14), hits(18))})}
+    then, now = (
+        {"policy": "vlcache", "params": {}, "resolved": json.loads(json.dumps(recorded(CFG[p], BUDGETS)))}
+        for p in (S, Y)
+    )
+
+    def write(name: str, split: str, current: dict) -> str:
+        path = tmp_path / f"{name}.json"
+        path.write_text(
+            json.dumps({"split": split, "n": N, "configs": CFG | {CURRENT: current}, "results": results})
+        )
+        return str(path)
+
+    same = [write("train", "train", then), write("heldout", "heldout", then)]
+    assert protocol.run_protocol(SimpleNamespace(protocol=same, out=str(tmp_path / "ok"))) == 0
+    mixed = [same[0], write("heldout_later", "heldout", now)]  # the default changed between the runs
+    with pytest.raises(SystemExit, match="'vlcache \\(defaults\\)' recorded other policies"):
+        protocol.run_protocol(SimpleNamespace(protocol=mixed, out=str(tmp_path / "no")))
+    bare = [same[0], write("heldout_bare", "heldout", {"policy": "vlcache", "params": {}})]  # no record: kept
+    assert protocol.run_protocol(SimpleNamespace(protocol=bare, out=str(tmp_path / "bare"))) == 0

@@ -201,7 +201,10 @@ def summary(dim: Dimension) -> dict:
 
 def run_protocol(args) -> int:
     paths = args.protocol
-    data = load(paths)
+    try:
+        data = load(paths)
+    except ValueError as e:
+        raise SystemExit(f"vlkv eval --protocol: {e}") from None
     train, heldout = data.get("train", {}), data.get("heldout", {})
     if not train:
         raise SystemExit("vlkv eval --protocol: no training-split results among " + ", ".join(paths))

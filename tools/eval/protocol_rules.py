@@ -48,13 +48,24 @@ MAX_DROP = 1.0
 
 def load(paths) -> dict[str, dict[str, dict]]:
     """``{split: {member: result}}`` from ``vlkv eval --zoo`` JSON files, rows of one member and split merged
-    (the per-example hits of a row run twice must agree in n; the later file's are kept)."""
+    (the per-example hits of a row run twice must agree in n; the later file's are kept). A label whose
+    recorded policies (``configs[label]["resolved"]``) differ between two files ran two policies under one
+    name, as "vlcache (defaults)" does across a change of the defaults: refused, not merged."""
     out: dict[str, dict[str, dict]] = {}
     configs: dict = {}
+    source: dict[str, str] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
         split = data.get("split", "heldout")
-        configs |= data.get("configs", {})
+        for label, config in data.get("configs", {}).items():
+            before = configs.get(label, {}).get("resolved")
+            if before is not None and config.get("resolved") not in (None, before):
+                raise ValueError(
+                    f"{path}: the row {label!r} recorded other policies than in {source[label]}: "
+                    "the defaults changed between the runs; give files of one code version"
+                )
+            if before is None or config.get("resolved") is not None:  # a record beats a bare config
+                configs[label], source[label] = config, path
         for name, r in data["results"].items():
             into = out.setdefault(split, {}).setdefault(name, {k: v for k, v in r.items() if k != "hits"})
             if "dropped" in r:

@@ -127,22 +127,30 @@ class Calibration:
 
     A prompt counts as **exact** for a (candidate, budget) when its agreement is 1.0: every counted position's
     greedy token is the full cache's, so the compressed cache's own greedy decode gives the full cache's
-    answer token for token."""
+    answer token for token. ``caches``: per (candidate, budget) the prompt's cache number
+    (``_candidate_caches``' slot: two candidates with the same number kept the same positions), one per prompt
+    in order; a row whose numbers are an earlier candidate's on every prompt gets that one's label as
+    ``same_as`` (the function ``same_as``)."""
 
     table: dict[tuple[str, float], _Score] = field(default_factory=dict)
     trace: list[dict[str, list[float]]] | None = None
+    caches: dict[tuple[str, float], list[int]] = field(default_factory=dict)
 
-    def add(self, key: tuple[str, float], agreement: float, kl: float) -> None:
+    def add(self, key: tuple[str, float], agreement: float, kl: float, cache: int | None = None) -> None:
         s = self.table.setdefault(key, _Score())
         s.agreement, s.kl, s.prompts = s.agreement + agreement, s.kl + kl, s.prompts + 1
         s.exact += agreement >= 1.0
+        if cache is not None:
+            self.caches.setdefault(key, []).append(cache)
         if self.trace is not None:
             self.trace[-1][f"{key[0]}|{key[1]:g}"] = [agreement, kl]
 
     def rows(self) -> list[dict]:
         policies = dict(CANDIDATES)
-        return [
-            {
+        same = same_as(self.caches)
+        rows = []
+        for (label, budget), s in self.table.items():
+            row = {
                 "candidate": label,
                 "budget": budget,
                 "agreement": round(s.agreement / s.prompts, 6),
@@ -151,8 +159,24 @@ class Calibration:
                 "prompts": s.prompts,
                 "policy": policy_from_dict(policies[label]).to_dict(),
             }
-            for (label, budget), s in self.table.items()
-        ]
+            if (label, budget) in same:
+                row["same_as"] = same[label, budget]
+            rows.append(row)
+        return rows
+
+
+def same_as(caches: dict[tuple[str, float], list[int]]) -> dict[tuple[str, float], str]:
+    """Per (candidate, budget) that kept the same positions as an earlier candidate of the grid at that budget
+    on every prompt (``Calibration.caches``: the same cache number on each), that candidate's label (the
+    first such in ``CANDIDATES``' order). Those two are one candidate on these prompts: on a text-only prompt
+    every option that acts on images alone leaves the default's cache as it is."""
+    order = {label: i for i, (label, _) in enumerate(CANDIDATES)}
+    out, first = {}, {}
+    for (label, budget), numbers in sorted(caches.items(), key=lambda item: order[item[0][0]]):
+        earlier = first.setdefault((budget, tuple(numbers)), label)
+        if earlier != label:
+            out[label, budget] = earlier
+    return out
 
 
 def _ranked(rows: list[dict], budget: float, by_recall: bool = False) -> list[dict]:
@@ -182,12 +206,19 @@ def _measured_on_all(ranked: list[dict]) -> list[dict]:
 
 
 def rerank_set(rows: list[dict], budgets, k: int) -> dict[float, set[str]]:
-    """Per budget the candidates whose free-running answers ``--rerank k`` decodes: the ``k`` best by
-    agreement (``_ranked``, among the rows measured on every prompt) and the default."""
-    return {
-        b: {r["candidate"] for r in _measured_on_all(_ranked(rows, b))[:k]} | {CANDIDATES[0][0]}
-        for b in budgets
-    }
+    """Per budget the candidates whose free-running answers ``--rerank k`` decodes: the ``k`` best distinct ones
+    by agreement (``_ranked``, among the rows measured on every prompt; a row ``same_as`` another is that one,
+    not counted again) and the default. Counted row by row, the 4 best on a text-only prompt file were the
+    default and three options that act on images alone: the same cache decoded four times, nothing re-ranked."""
+    out = {}
+    for b in budgets:
+        distinct: list[str] = []
+        for r in _measured_on_all(_ranked(rows, b)):
+            one = r.get("same_as", r["candidate"])
+            if one not in distinct:
+                distinct.append(one)
+        out[b] = set(distinct[:k]) | {CANDIDATES[0][0]}
+    return out
 
 
 def best_per_budget(rows: list[dict], budgets, by_recall: bool = False) -> list[ProfileEntry]:
@@ -259,16 +290,32 @@ def measure_chunk(
         if out.trace is not None:
             out.trace.append({})
         for (label, _, b), c in zip(keys, slot, strict=True):
-            out.add((label, b), *scores[c])
+            out.add((label, b), *scores[c], c)
+
+
+def _acting(p, policy, budget: float) -> tuple:
+    """What compresses ``p`` under ``policy`` at ``budget``: the policy that acts on this prompt
+    (``Policy.for_prompt``: a text-only prompt's ``text_preset``, the budget's own variant), every option of it,
+    and the statistics rows and draft steps ``policy_stats`` reads. Two candidates with the same key compress
+    ``p`` to the same cache."""
+    acting = policy.for_prompt(p.m, p.tau, budget)
+    reads = policy.requires_stats and not policy.is_full(budget)
+    rows = policy.query_start(p.m, p.tau, p.question) if reads else -1
+    steps = policy.lookahead_steps(budget, p.m, p.tau) if reads else 0
+    return json.dumps(acting.to_dict(), sort_keys=True), budget, reads, rows, steps
 
 
 def _candidate_caches(p, keys, budgets) -> tuple[list, list[int]]:
     """``p`` compressed by every (label, policy, budget) of ``keys``: the distinct caches and, per key, the
-    index of its cache (two candidates that keep the same positions hold the same cache: decoded once)."""
+    index of its cache (two candidates that keep the same positions hold the same cache: decoded once). A
+    candidate that acts on ``p`` as an earlier one does (``_acting``) is not compressed again."""
     _share_draft(p, [policy for _, policy, _ in keys], budgets)
-    caches, slot, seen = [], [], {}
+    caches, slot, seen, made = [], [], {}, {}
     for _, policy, b in keys:
-        cache = compress_with(p, policy, b, THRESHOLD)  # with lookahead's draft rows, as served
+        acting = _acting(p, policy, b)
+        if acting not in made:  # with lookahead's draft rows, as served
+            made[acting] = compress_with(p, policy, b, THRESHOLD)
+        cache = made[acting]
         kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
         if kept not in seen:
             seen[kept] = len(caches)
@@ -459,6 +506,7 @@ def format_table(profile: CompressionProfile) -> str:
     cells: dict[str, dict[float, str]] = {}
     for r in profile.table:
         star = " *" if (r["candidate"], r["budget"]) in chosen else ""
+        star += f" (= {r['same_as']})" if "same_as" in r else ""
         screened = f" ({r['prompts']} prompts)" if r.get("prompts", count) < count else ""
         whole = f"{r['exact']:.2f} / " if exact else ""
         if recall:

@@ -60,14 +60,14 @@ caches from the measure pass's kept prefill and costs about a fifth of a measure
 
 
 class _PerPrompt:
-    """``measure_chunk``'s ``out`` in a worker: each prompt's ``{(candidate, budget): (agreement, kl)}`` in
-    the order measured, to be added in the parent."""
+    """``measure_chunk``'s ``out`` in a worker: each prompt's ``{(candidate, budget): (agreement, kl, cache)}``
+    in the order measured, to be added in the parent."""
 
     def __init__(self) -> None:
         self.trace: list[dict] = []
 
-    def add(self, key, agreement: float, kl: float) -> None:
-        self.trace[-1][key] = (agreement, kl)
+    def add(self, key, agreement: float, kl: float, cache: int | None = None) -> None:
+        self.trace[-1][key] = (agreement, kl, cache)
 
 
 def _load(spec: tuple) -> dict:
@@ -167,8 +167,8 @@ def run_chunks(
                     for scores in per_prompt:
                         if result.trace is not None:
                             result.trace.append({})
-                        for key, (agreement, kl) in scores.items():
-                            result.add(key, agreement, kl)
+                        for key, (agreement, kl, cache) in scores.items():
+                            result.add(key, agreement, kl, cache)
             if rerank and rerank_chunks:
                 chosen = rerank_set(result.rows(), budgets, rerank)
                 items = [(RERANK, a, b, chosen) for a, b in rerank_chunks]

@@ -29,8 +29,8 @@ PROFILE_FORMAT = "vlkv.compression_profile"
 PROFILE_VERSION = 1
 PROFILE_FILENAME = "compression_profile.json"
 _TOP_KEYS = ("format", "version", "model", "prompts", "measure", "entries", "table")
-# exact, prompts, recall: optional
-_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "exact", "recall", "prompts", "policy")
+# exact, prompts, recall, same_as: optional
+_ROW_KEYS = ("candidate", "budget", "agreement", "kl", "exact", "recall", "prompts", "policy", "same_as")
 
 
 @dataclass
@@ -51,7 +51,8 @@ class CompressionProfile:
     "count": n, ...}``; measure: how agreement was measured (``{"tokens": N}``); entries: the choice per
     budget, ascending; table: one row per candidate and budget (``_ROW_KEYS``; ``exact``: the share of prompts
     whose whole answer the candidate reproduced, absent in profiles written before it was measured; ``recall``:
-    the free-running answer recall, ``vlkv calibrate --rerank``'s rows only)."""
+    the free-running answer recall, ``vlkv calibrate --rerank``'s rows only; ``same_as``: the earlier candidate
+    that kept the same positions on every prompt, absent when none did or the profile predates it)."""
 
     model: dict[str, Any]
     prompts: dict[str, Any]
@@ -162,6 +163,8 @@ def profile_from_dict(data: Any, label: str = "") -> CompressionProfile:
             _number(row["exact"], f"compression profile: table[{i}].exact", 0.0, 1.0)
         if "recall" in row:  # only the rows --rerank decoded free-running
             _number(row["recall"], f"compression profile: table[{i}].recall", 0.0, 1.0)
+        if "same_as" in row and not isinstance(row["same_as"], str):
+            raise ValueError(f"compression profile: table[{i}].same_as must be a candidate's label")
     entries.sort(key=lambda e: e.budget)
     return CompressionProfile(data["model"], data["prompts"], data["measure"], entries, table, label)
 

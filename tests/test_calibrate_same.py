@@ -60,7 +60,9 @@ def test_the_rerank_set_counts_candidates_that_kept_the_same_cache_once():
 def test_a_profile_names_the_candidate_a_row_is_the_same_as_and_refuses_a_bad_one():
     entry = ProfileEntry(0.02, "default", policy_from_dict(PRESETS["vlcache_default"]))
     rows = [_row(LABELS[0], 0.8), _row(LABELS[1], 0.8, LABELS[0])]
-    data = CompressionProfile({"fingerprint": "fp"}, {"digest": "d", "count": 10}, {}, [entry], rows).to_dict()
+    data = CompressionProfile(
+        {"fingerprint": "fp"}, {"digest": "d", "count": 10}, {}, [entry], rows
+    ).to_dict()
     lines = format_table(profile_from_dict(data)).splitlines()
     assert lines[3] == f"| {LABELS[1]} | 0.800 / 0.500 (= {LABELS[0]}) |"
     data["table"][1]["same_as"] = 3

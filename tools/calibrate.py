@@ -14,7 +14,8 @@ compressed cache is the full cache's, **KL** the mean ``KL(p_full || p_compresse
 highest mean agreement wins, ties to the lower KL. The table also reports **exact**, the share of prompts whose
 whole answer was reproduced (agreement 1.0); ranking by it first chose the same entries on smol_codes,
 smol_objects and needle (``common/compression/README.md``, "Whole-answer agreement"), so it is not ranked on.
-``--rerank K`` (default 4: ``DEFAULT_RERANK``; 0: off) then decodes the K best per budget and the default free-running on the first
+``--rerank K`` (default 4: ``DEFAULT_RERANK``; 0: off) then decodes the K best distinct candidates per budget (``rerank_set``:
+a row ``same_as`` an earlier one is that one) and the default free-running on the first
 ``--rerank-prompts`` prompts (40) and ranks them by **answer recall** first (``calibrate_answers.py``,
 rarity-weighted; ``rerank_chunk``, on the same ``--jobs`` workers as the measure): on ``needle`` it fixes 2%, on
 ``smol_codes`` it keeps 2%'s gain and is one item of 50 below the old entry at 5%.

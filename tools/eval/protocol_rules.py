@@ -61,8 +61,9 @@ def load(paths) -> dict[str, dict[str, dict]]:
             before = configs.get(label, {}).get("resolved")
             if before is not None and config.get("resolved") not in (None, before):
                 raise ValueError(
-                    f"{path}: the row {label!r} recorded other policies than in {source[label]}: "
-                    "the defaults changed between the runs; give files of one code version"
+                    f"{path}: the row {label!r} recorded other policies than in {source[label]}: one label, "
+                    "two policies (its options or the defaults changed between the runs); give files whose "
+                    "rows with one label ran one policy"
                 )
             if before is None or config.get("resolved") is not None:  # a record beats a bare config
                 configs[label], source[label] = config, path

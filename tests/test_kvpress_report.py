@@ -84,6 +84,7 @@ def test_kept_mask_recovers_the_gathered_positions():
 
 def test_masked_batch_decode_matches_decoding_a_truly_compressed_cache():
     from transformers import DynamicCache
+    from vlkv.common.model.cache_kwarg import cache_arg
     from vlkv.tools.eval.kvpress_decode import greedy, stack_caches
 
     model = tiny_llama(2, eos_token_id=1)
@@ -91,7 +92,8 @@ def test_masked_batch_decode_matches_decoding_a_truly_compressed_cache():
     m = 40
     with torch.inference_mode():
         full = DynamicCache(config=cfg)
-        logits = model(input_ids=torch.randint(2, 64, (1, m)), past_key_values=full, use_cache=True).logits
+        ids = torch.randint(2, 64, (1, m))
+        logits = model(input_ids=ids, **cache_arg(model, full), use_cache=True).logits
     first = int(logits[0, -1].argmax())
     keys = [layer.keys[0] for layer in full.layers]
     values = [layer.values[0] for layer in full.layers]
@@ -110,7 +112,7 @@ def test_masked_batch_decode_matches_decoding_a_truly_compressed_cache():
                 out = model(
                     input_ids=torch.tensor([[want[-1]]]),
                     position_ids=torch.tensor([[m + step]]),
-                    past_key_values=cache,
+                    **cache_arg(model, cache),
                     use_cache=True,
                 )
                 want.append(int(out.logits[0, -1].argmax()))

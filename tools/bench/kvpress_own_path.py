@@ -28,13 +28,14 @@ ADA = {"AdaKV(SnapKV)", "CriticalAdaKV(SnapKV)"}
 def own_kept(kvpress, model, press, ids: torch.Tensor) -> list[torch.Tensor]:
     """Per layer the ``[H_kv, n]`` positions kvpress's own hook keeps of ``ids`` (one prefill)."""
     from transformers import DynamicCache
+    from vlkv.common.model.cache_kwarg import cache_arg
     from vlkv.tools.eval.kvpress_presses import kept_mask
 
     full, comp = DynamicCache(config=model.config), DynamicCache(config=model.config)
     with torch.inference_mode():
-        model.model(input_ids=ids[None], past_key_values=full)
+        model.model(input_ids=ids[None], **cache_arg(model.model, full))
         with press(model):
-            model.model(input_ids=ids[None], past_key_values=comp)
+            model.model(input_ids=ids[None], **cache_arg(model.model, comp))
     out = []
     for layer, attn in enumerate(model.model.layers):
         masked = getattr(attn.self_attn, "masked_key_indices", None)

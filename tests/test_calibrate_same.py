@@ -94,3 +94,18 @@ def test_text_only_prompts_compress_each_acting_policy_once_to_the_same_table(tm
     same = {r["candidate"]: r.get("same_as") for r in shared.table}
     assert same["lookahead: off"] == same["pooling: off"] == same["allocator: uniform"] == "default"
     assert same["snapkv"] is None and same["default"] is None
+
+
+def test_image_prompts_compress_each_acting_policy_once_to_the_same_table(tmp_path, monkeypatch):
+    """With an image every option acts, each on its own policy; the rows the text-only options fill are the
+    default's (``same_as``), and the shared compressions give the table compressing each one again gives."""
+    from tests.calib_prompts import synthetic_prompts
+
+    prompts = synthetic_prompts(tmp_path, 1, seed=5)
+    run = dict(budgets=(0.05,), tokens=4, rerank=0)
+    _, shared, _ = calibrate(str(DEFAULT_MODEL_DIR), str(prompts), out=str(tmp_path / "a.json"), **run)
+    monkeypatch.setattr(cal, "_acting", lambda *a: object())
+    _, every, _ = calibrate(str(DEFAULT_MODEL_DIR), str(prompts), out=str(tmp_path / "b.json"), **run)
+    assert shared.table == every.table and shared.entries == every.entries
+    same = {r["candidate"]: r.get("same_as") for r in shared.table}
+    assert same["text window: off"] == same["text-only: preset vlcache_text"] == "default"

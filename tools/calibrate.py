@@ -506,14 +506,14 @@ def format_table(profile: CompressionProfile) -> str:
     recall = any("recall" in r for r in profile.table)
     cells: dict[str, dict[float, str]] = {}
     for r in profile.table:
-        star = " *" if (r["candidate"], r["budget"]) in chosen else ""
-        star += f" (= {r['same_as']})" if "same_as" in r else ""
+        mark = " *" if (r["candidate"], r["budget"]) in chosen else ""
+        mark += f" (= {r['same_as']})" if "same_as" in r else ""
         screened = f" ({r['prompts']} prompts)" if r.get("prompts", count) < count else ""
         whole = f"{r['exact']:.2f} / " if exact else ""
         if recall:
             whole = (f"{r['recall']:.2f} / " if "recall" in r else "- / ") + whole
         cells.setdefault(r["candidate"], {})[r["budget"]] = (
-            f"{whole}{r['agreement']:.3f} / {r['kl']:.3f}{star}{screened}"
+            f"{whole}{r['agreement']:.3f} / {r['kl']:.3f}{mark}{screened}"
         )
     what = "exact / agreement / KL" if exact else "agreement / KL"
     what = f"recall / {what}" if recall else what

@@ -10,7 +10,53 @@ from vlkv.tools.jobs import jobs_flag
 POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv, random, full"
 
 
+# Flags that only one mode reads; given to another mode they would be ignored without a word.
+API_ONLY = ("budgets", "concurrency", "batch_invariant", "dtype", "member", "compression_profile")
+ZOO_ONLY = ("members", "text_n", "jobs", "text_lengths", "text_tasks", "rows")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _defaults():
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_eval_parser(sub)
+    return sub.choices["eval"].parse_args([])
+
+
+def misplaced_flags(args) -> str:
+    """Why ``args`` set a flag its mode ignores ("" when none): the zoo runs 1, 2, 5 and 10% with its own
+    servers, and only the zoo reads the members, text and worker flags."""
+    if getattr(args, "protocol", None):
+        return ""
+    defaults = _defaults()
+
+    def given(dests):
+        return [_flag(d) for d in dests if getattr(args, d, None) != getattr(defaults, d)]
+
+    def only(extra, where):
+        return f"{', '.join(extra)} {'applies' if len(extra) == 1 else 'apply'} only to {where}"
+
+    zoo, api = getattr(args, "zoo", False), getattr(args, "api", False)
+    if (not api or zoo) and (extra := given(API_ONLY)):
+        why = only(extra, "--api without --zoo")
+        return why + (" (--zoo runs 1, 2, 5 and 10%)" if zoo else "")
+    if not zoo and (extra := given(ZOO_ONLY)):
+        return only(extra, "--zoo")
+    if zoo and not getattr(args, "ablation", False) and given(("rows",)):
+        return "--rows only applies to --zoo --ablation"
+    return ""
+
+
 def cmd_eval(args) -> int:
+    if why := misplaced_flags(args):
+        import sys
+
+        print(f"vlkv eval: {why}", file=sys.stderr)
+        return 2
     if getattr(args, "protocol", None):
         from vlkv.tools.eval.protocol import run_protocol
 

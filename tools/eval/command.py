@@ -28,8 +28,9 @@ def _defaults():
 
 
 def misplaced_flags(args) -> str:
-    """Why ``args`` set a flag its mode ignores ("" when none): the zoo runs 1, 2, 5 and 10% with its own
-    servers, and only the zoo reads the members, text and worker flags."""
+    """Why ``args`` set a flag its mode ignores ("" when none): only ``--api`` without ``--zoo`` reads the
+    serving flags (the zoo runs 1, 2, 5 and 10% and serves the default policy itself), and only the zoo reads
+    the members, text and worker flags. A flag counts as set when its value is not the parser's default."""
     if getattr(args, "protocol", None):
         return ""
     defaults = _defaults()

@@ -110,7 +110,12 @@ def scenario(pids: str, fail: bool) -> None:
 def _start(tmp_path: Path, fail: bool = False) -> tuple[subprocess.Popen, Path]:
     pids = tmp_path / "pids"
     pids.mkdir()
-    code = f"from tests.test_pool import scenario; scenario({str(pids)!r}, {fail})"
+    # Ctrl-C as in a terminal: a suite started in the background by a shell without job control (`cmd &`)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler (the scenario slept on).
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"from tests.test_pool import scenario; scenario({str(pids)!r}, {fail})"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -186,6 +186,12 @@ def test_one_forward_teacher_forcing_matches_the_decode_core():
         assert core.shape == got[i].shape == (len(ref) - 1, core.shape[1])
         assert torch.equal(core.argmax(-1), got[i].argmax(-1))
         torch.testing.assert_close(got[i], core, atol=2e-4, rtol=1e-4)
+    # every cache in one group of one length (the padding masked) or each in its own: the same distributions
+    for groups in (1, 2):
+        other = dict(forced_logprobs(model, caches, [ref[:-1]] * len(caches), groups=groups))
+        for i in range(len(caches)):
+            assert torch.equal(other[i].argmax(-1), got[i].argmax(-1))
+            torch.testing.assert_close(other[i], got[i], atol=2e-5, rtol=1e-5)
 
 
 def test_prompts_file_is_checked(tmp_path):

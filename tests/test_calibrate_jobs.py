@@ -64,6 +64,14 @@ def _run(prompts, tmp_path, name, jobs, **kw):
 def test_chunks_are_the_screening_ones_then_the_rest():
     assert chunk_phases(5, 5, 2) == [[(0, 2), (2, 4), (4, 5)]]
     assert chunk_phases(5, 3, 2) == [[(0, 2), (2, 3)], [(3, 5)]]
+    # a screening's chunks: about equal, a multiple of the workers (no worker idle before the cut)
+    assert chunk_phases(100, 10, 8, 2) == [
+        [(0, 5), (5, 10)],
+        [(a, min(a + 8, 100)) for a in range(10, 100, 8)],
+    ]
+    assert chunk_phases(100, 10, 4, 2)[0] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert chunk_phases(20, 3, 8, 4)[0] == [(0, 1), (1, 2), (2, 3)]  # never an empty chunk
+    assert chunk_phases(5, 5, 2, 2) == [[(0, 2), (2, 4), (4, 5)]]  # without a screening: as before
 
 
 @pytest.mark.parametrize("screen", [0, 1])

@@ -1,5 +1,6 @@
 """``vlkv calibrate``'s candidates that are one candidate on the prompts at hand: a row that kept the same
-positions as an earlier one on every prompt says so (``same_as``), ``--rerank`` counts it once, and a
+positions as an earlier one on every prompt says so (``same_as``), ``--rerank`` and the screening's cut
+count it once, and a
 candidate that acts on a prompt as an earlier one does is not compressed again (the same table)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, pr
 from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.tools import calibrate as cal
-from vlkv.tools.calibrate import CANDIDATES, Calibration, calibrate, format_table, rerank_set
+from vlkv.tools.calibrate import CANDIDATES, Calibration, calibrate, format_table, rerank_set, survivors
 
 LABELS = [label for label, _ in CANDIDATES]
 
@@ -55,6 +56,23 @@ def test_the_rerank_set_counts_candidates_that_kept_the_same_cache_once():
     for r in rows:  # without the column every row counts
         r.pop("same_as", None)
     assert rerank_set(rows, [0.02], 3) == {0.02: {LABELS[10], LABELS[0], LABELS[1]}}
+
+
+def test_the_screenings_cut_keeps_distinct_candidates():
+    rows = [
+        _row(LABELS[1], 0.9),
+        _row(LABELS[2], 0.9, LABELS[1]),  # the same cache as LABELS[1] on the screening prompts
+        _row(LABELS[3], 0.9, LABELS[1]),
+        _row(LABELS[0], 0.7),
+        _row(LABELS[7], 0.8),
+        _row(LABELS[9], 0.6),
+    ]
+    assert survivors(rows, [0.02], 2) == {0.02: {LABELS[1], LABELS[7], LABELS[0]}}
+    assert survivors(rows, [0.02], 3) == {0.02: {LABELS[1], LABELS[7], LABELS[0]}}  # the default's own place
+    assert survivors(rows, [0.02], 4) == {0.02: {LABELS[1], LABELS[7], LABELS[0], LABELS[9]}}
+    for r in rows:  # without the column every row counts
+        r.pop("same_as", None)
+    assert survivors(rows, [0.02], 2) == {0.02: {LABELS[1], LABELS[2], LABELS[0]}}
 
 
 def test_a_profile_names_the_candidate_a_row_is_the_same_as_and_refuses_a_bad_one():

@@ -195,9 +195,16 @@ def _ranked(rows: list[dict], budget: float, by_recall: bool = False) -> list[di
 
 
 def survivors(rows: list[dict], budgets, keep: int) -> dict[float, set[str]]:
-    """Successive halving's cut: per budget the ``keep`` best rows (``_ranked``) and the default, the
-    candidates measured on the prompts after the screening ones."""
-    return {b: {r["candidate"] for r in _ranked(rows, b)[:keep]} | {CANDIDATES[0][0]} for b in budgets}
+    """Successive halving's cut: per budget the ``keep`` best distinct rows (``_ranked``; a row ``same_as``
+    an earlier one kept the same positions on every screening prompt and is that one, not counted again)
+    and the default, the candidates measured on the prompts after the screening ones. Counted row by row,
+    the options that act on text-only prompts alone took most of the places on image prompts: the
+    default's cache kept four times."""
+    out = {}
+    for b in budgets:
+        distinct = [r["candidate"] for r in _ranked(rows, b) if "same_as" not in r]
+        out[b] = set(distinct[:keep]) | {CANDIDATES[0][0]}
+    return out
 
 
 def _measured_on_all(ranked: list[dict]) -> list[dict]:
@@ -406,12 +413,19 @@ def keep_for_rerank(p) -> None:
     p.q = []
 
 
-def chunk_phases(n: int, cut: int, chunk: int) -> list[list[tuple[int, int]]]:
+def chunk_phases(n: int, cut: int, chunk: int, parts: int = 1) -> list[list[tuple[int, int]]]:
     """The prompts' chunks as (start, end): those of the first ``cut`` (the screening), then the rest's (one
-    phase when ``cut`` is ``n``)."""
-    first = [(a, min(a + chunk, cut)) for a in range(0, cut, chunk)]
+    phase when ``cut`` is ``n``). A screening's chunks are of about equal size (at most ``chunk``) and as many
+    as a multiple of ``parts`` (the workers), so that no worker waits at the end of the phase for another
+    (every worker waits for the survivors): 10 prompts on 2 workers were a chunk of 8 and one of 2."""
+    if cut >= n:
+        return [[(a, min(a + chunk, n)) for a in range(0, n, chunk)]]
+    count = -(-cut // chunk)
+    count = min(cut, -(-count // parts) * parts)
+    bounds = [round(i * cut / count) for i in range(count + 1)]
+    first = list(zip(bounds, bounds[1:], strict=False))
     rest = [(a, min(a + chunk, n)) for a in range(cut, n, chunk)]
-    return [first, rest] if rest else [first]
+    return [first, rest]
 
 
 def calibrate(
@@ -459,9 +473,10 @@ def calibrate(
     requests = requests[:max_prompts] if max_prompts else requests
     result = Calibration(trace=[] if trace else None)
     cut = screen if 0 < screen < len(requests) else len(requests)
-    phases = chunk_phases(len(requests), cut, chunk)
+    phases = chunk_phases(len(requests), cut, chunk, jobs)
     reranked = min(rerank_prompts or len(requests), len(requests)) if rerank else 0
-    rerank_chunks = [(a, min(a + chunk, reranked)) for a in range(0, reranked, chunk)]
+    # the measured chunks (their first ``reranked`` prompts): each re-ranked by the worker that kept its prefills
+    rerank_chunks = [(a, min(b, reranked)) for phase in phases for a, b in phase if a < reranked]
     spec = (model_dir, prompts, dtype, budgets, tokens, max_prompts)
     active, fingerprint, answers = run_chunks(spec, phases, result, keep, jobs, rerank, rerank_chunks)
     rows = result.rows()

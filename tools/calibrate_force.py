@@ -5,7 +5,8 @@ steps, each gathering every cache's paged blocks again. The forced tokens are kn
 cache's greedy answer), so here all of them run in one forward through the same layers as the decode
 step (``decode_worker/model_runner.py``: embeddings, rotary positions continuing from the prompt's
 length, each layer with the ``vlkv_decode`` attention hook, the final norm, the LM head): per layer the
-caches' kept K/V, padded to the longest with a mask of the real entries, and the forced tokens' own K/V,
+caches' kept K/V, padded to the longest of their length group with a mask of the real entries, and the
+forced tokens' own K/V,
 each forced token attending to its cache's kept positions and, causally, to the forced tokens up to its
 own. That is the decode step's arithmetic on the same inputs (the softmax over the same keys), in one
 batched matmul instead of N; only the order of floating-point sums differs.
@@ -25,21 +26,34 @@ from vlkv.common.model.loading import language_model
 
 class _Forced:
     """The ``vlkv_decode`` object of one forward: ``update`` keeps the forced tokens' K/V, ``attend``
-    attends over the kept prefix (masked) and the forced tokens (causal)."""
+    attends over the kept prefix (masked) and the forced tokens (causal).
 
-    def __init__(self, caches: list[CompactKV]) -> None:
-        self.prefix = []
+    Per layer the caches are sorted by their kept length and cut into ``groups`` groups of about equal
+    count, each padded to its own longest (a layer of a 10% cache can keep 30x the tokens of a 2% one:
+    padded to one length, most of the work was on padding)."""
+
+    def __init__(self, caches: list[CompactKV], groups: int = 4) -> None:
+        self.dtype = caches[0].keys[0].dtype  # the pool's: the forced tokens' K/V are rounded to it
+        self.prefix: list[list[tuple]] = []
         for layer in range(len(caches[0].keys)):
-            ks = [c.keys[layer] for c in caches]
-            h, _, d = ks[0].shape
-            length = max(k.shape[1] for k in ks)
-            kk = ks[0].new_zeros(len(caches), h, length, d)
-            vv = torch.zeros_like(kk)
-            keep = torch.zeros(len(caches), length, dtype=torch.bool)
-            for i, c in enumerate(caches):
-                n = c.keys[layer].shape[1]
-                kk[i, :, :n], vv[i, :, :n], keep[i, :n] = c.keys[layer], c.values[layer], True
-            self.prefix.append((kk, vv, keep))
+            lengths = torch.tensor([c.keys[layer].shape[1] for c in caches])
+            order = torch.argsort(lengths, stable=True)
+            parts = []
+            for idx in torch.tensor_split(order, min(groups, len(caches))):
+                length = int(lengths[idx].max())
+                h, _, d = caches[0].keys[layer].shape
+                kk = torch.zeros(len(idx), h, length, d)  # fp32: read in fp32 by every forced token
+                vv = torch.zeros_like(kk)
+                keep = torch.zeros(len(idx), length, dtype=torch.bool)
+                for r, i in enumerate(idx.tolist()):
+                    n = int(lengths[i])
+                    kk[r, :, :n], vv[r, :, :n], keep[r, :n] = (
+                        caches[i].keys[layer],
+                        caches[i].values[layer],
+                        True,
+                    )
+                parts.append((idx, kk, vv, keep))
+            self.prefix.append(parts)
         self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key, value, layer_idx, *args, **kwargs):
@@ -47,35 +61,41 @@ class _Forced:
         return key, value
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query ``[B, H, T, D]`` -> output ``[B, T, H, D]``."""
-        k0, v0, keep = self.prefix[layer_idx]
+        """query ``[B, H, T, D]`` -> output ``[B, T, H, D]``. The ``H / Hkv`` query heads that share a KV head
+        are one ``[group * T]`` block of rows against that head's keys (the keys are not repeated per query
+        head); the kept prefix and the forced tokens are scored apart and share one softmax."""
         kn, vn = self.new.pop(layer_idx)
-        b, h, t, _ = query.shape
-        group = h // k0.shape[1]
+        b, h, t, d = query.shape
+        hkv = kn.shape[1]
         # fp32 throughout, as the decode step's paged attention computes (new K/V rounded to the pool's dtype)
-        k = torch.cat([k0, kn.to(k0.dtype)], 2).float().repeat_interleave(group, 1)
-        v = torch.cat([v0, vn.to(v0.dtype)], 2).float().repeat_interleave(group, 1)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        allowed = torch.cat([keep[:, None, :].expand(-1, t, -1), causal.expand(b, -1, -1)], -1)
-        scores = torch.matmul(query.float() * scaling, k.transpose(2, 3))
-        scores.masked_fill_(~allowed[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, v).to(query.dtype).transpose(1, 2)
+        kn, vn = kn.to(self.dtype).float(), vn.to(self.dtype).float()
+        q = (query.float() * scaling).reshape(b, hkv, (h // hkv) * t, d)
+        causal = torch.ones(t, t, dtype=torch.bool).tril().repeat(h // hkv, 1)
+        out = torch.empty_like(q)
+        for idx, k0, v0, keep in self.prefix[layer_idx]:
+            qi, kni, vni = q[idx], kn[idx], vn[idx]
+            prefix = torch.matmul(qi, k0.transpose(2, 3))  # [b, Hkv, group * T, L]
+            prefix.masked_fill_(~keep[:, None, None, :], float("-inf"))
+            own = torch.matmul(qi, kni.transpose(2, 3)).masked_fill_(~causal, float("-inf"))
+            probs = torch.softmax(torch.cat([prefix, own], -1), dim=-1)
+            length = k0.shape[2]
+            out[idx] = torch.matmul(probs[..., :length], v0) + torch.matmul(probs[..., length:], vni)
+        return out.reshape(b, h, t, d).to(query.dtype).transpose(1, 2)
 
 
 @torch.inference_mode()
 def forced_logprobs(
-    model, caches: list[CompactKV], tokens: list[list[int]], rows_per_head: int = 16
+    model, caches: list[CompactKV], tokens: list[list[int]], rows_per_head: int = 16, groups: int = 4
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Per cache ``i``, ``(i, logq)``: ``logq`` ``[len(tokens[i]), vocab]`` fp32, row ``g`` the log-softmax of
     the next-token logits after feeding ``tokens[i][: g + 1]`` over cache ``i`` (token 0 at position
     ``prompt_length``, as the decode core feeds the prefill's token). The LM head runs ``rows_per_head``
-    caches at a time."""
+    caches at a time; ``groups``: ``_Forced``'s length groups per layer (the same distributions with any)."""
     lm = language_model(model)
     t = max(len(x) for x in tokens)
     ids = torch.tensor([x + [x[-1]] * (t - len(x)) for x in tokens])  # padding after a row's end is unseen
     positions = torch.tensor([c.prompt_length for c in caches])[:, None] + torch.arange(t)
-    forced = _Forced(caches)
+    forced = _Forced(caches, groups)
     hidden = lm.embed_tokens(ids)
     layers = lm.layers[: len(caches[0].keys)]
     step = {  # what the decode step passes every layer, with this forward's object as cache and hook

@@ -117,6 +117,27 @@ def test_rerank_4_is_the_default_and_0_turns_it_off():
     assert inspect.signature(calibrate).parameters["rerank"].default == DEFAULT_RERANK
 
 
+def test_screening_is_on_by_default_and_screen_0_turns_it_off():
+    import inspect
+
+    from vlkv.tools.calibrate import DEFAULT_KEEP, DEFAULT_SCREEN
+    from vlkv.tools.cli import main as cli_main
+
+    seen: list[tuple[int, int]] = []
+
+    def parsed(args) -> int:
+        seen.append((args.screen, args.keep))
+        return 0
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("vlkv.tools.cli.cmd_calibrate", parsed)
+        cli_main(["calibrate", "--prompts", "p.jsonl"])
+        cli_main(["calibrate", "--prompts", "p.jsonl", "--screen", "0"])
+    assert seen == [(DEFAULT_SCREEN, DEFAULT_KEEP), (0, DEFAULT_KEEP)] and DEFAULT_SCREEN > 0
+    params = inspect.signature(calibrate).parameters
+    assert (params["screen"].default, params["keep"].default) == (DEFAULT_SCREEN, DEFAULT_KEEP)
+
+
 def test_the_rerank_pass_prefills_no_prompt_twice(prompts, tmp_path, monkeypatch):
     """The re-ranked prompts' prefills are the measure pass's, kept in the worker (``--jobs 1``: this
     process, so every prefill is counted here): each prompt prefilled once, with and without screening."""

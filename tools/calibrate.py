@@ -25,8 +25,9 @@ pool or in this process (``calibrate_jobs.py``).
 Cost per prompt on ``smol_codes`` (SmolLM2-135M with an image, ~760 tokens, fp32, one CPU thread, 29
 candidates x 4 budgets, ~10-token answers): ~10 s CPU (100 prompts: 998 s CPU), about a third the prefill with
 Q and K recorded, a third the ~90 distinct caches teacher-forced, the rest the statistics (the draft's column
-sums, computed once per row count), compression and the reference decode. ``screen`` (successive halving)
-measures fewer candidates after the first prompts; the prefill is paid for every prompt.
+sums, computed once per row count), compression and the reference decode. ``screen`` (successive halving,
+on by default: ``DEFAULT_SCREEN``, ``DEFAULT_KEEP``) measures fewer candidates after the first prompts; the
+prefill is paid for every prompt.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ DEFAULT_RERANK_PROMPTS = 40
 gain was measured on 40 of 100, ``common/compression/README.md``). The rerank set is still chosen on every
 prompt's agreement; the pass's cost is the decode of ~20 caches per re-ranked prompt (its prefill is the
 measure pass's, kept by the worker that measured it: ``keep_for_rerank``)."""
+DEFAULT_SCREEN = 12
+"""``--screen``'s default: every candidate on the first 12 prompts, then per budget the ``DEFAULT_KEEP`` best
+distinct ones and the default on the rest (0: every candidate on every prompt). Replayed on full-grid traces of
+the five image members' 100 training prompts (every candidate's answer recall measured), the cheapest setting
+that chose the full grid's entry at every budget (1, 2, 5, 10%) on all five (``common/compression/README.md``,
+"Screening by default"); it measures about a third of the candidate evaluations."""
+DEFAULT_KEEP = 6
+"""``--keep``'s default: the distinct candidates per budget measured past the screening (the default besides)."""
 THRESHOLD = 0.01
 _VL = {"policy": "vlcache"}
 # (label, policy dict): the declared grid, one change at a time from the default (at most two: the question's
@@ -437,8 +446,8 @@ def calibrate(
     dtype: str = "float32",
     max_prompts: int = 0,
     chunk: int = 8,
-    screen: int = 0,
-    keep: int = 4,
+    screen: int = DEFAULT_SCREEN,
+    keep: int = DEFAULT_KEEP,
     trace: str = "",
     jobs: int = 1,
     rerank: int = DEFAULT_RERANK,
@@ -447,7 +456,8 @@ def calibrate(
     """Run the calibration; returns the profile's path, the profile and the seconds it took.
 
     screen: successive halving: every candidate on the first ``screen`` prompts, then per budget only the
-    ``keep`` best so far and the default on the rest (0: every candidate on every prompt). trace: write every
+    ``keep`` best distinct ones so far (``survivors``) and the default on the rest (0, or at least as many
+    prompts as there are: every candidate on every prompt). trace: write every
     prompt's agreement and KL per (candidate, budget) there as JSON lines. jobs: worker processes sharing the
     chunks (``calibrate_jobs.py``; the same table as one process). rerank: per budget the ``rerank`` best by
     agreement and the default decoded free-running afterwards on the first ``rerank_prompts`` prompts (0: all),

@@ -673,11 +673,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--screen",
         type=int,
-        default=0,
+        default=12,
         help="successive halving: every candidate on the first N prompts, then per budget only the --keep best "
-        "and the default (0: every candidate on every prompt)",
+        "distinct ones and the default (default 12, tools/calibrate.py DEFAULT_SCREEN; 0: every candidate on "
+        "every prompt)",
     )
-    p.add_argument("--keep", type=int, default=4, help="with --screen: candidates kept per budget")
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=6,
+        help="with --screen: distinct candidates kept per budget (default 6, DEFAULT_KEEP)",
+    )
     p.add_argument(
         "--chunk",
         type=int,

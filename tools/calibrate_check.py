@@ -76,8 +76,9 @@ def _member(name: str, n: int, seed: int, rows_at, budgets, chunk: int = 50) -> 
     from vlkv.tools.zoo import member
 
     mod = member(name)
-    model = load_model(ModelConfig(path=str(mod.model_dir)))
-    processor = load_processor(str(mod.model_dir))
+    path = str(mod.checkpoint())
+    model = load_model(ModelConfig(path=path))
+    processor = load_processor(path)
     examples = mod.make_examples(n, seed=seed, split="heldout")
     hits: dict = {}
     for at in track(range(0, n, chunk), desc=name, unit=f"{chunk} examples"):

@@ -93,7 +93,7 @@ def _target(args) -> tuple[Target, object, object]:
         from vlkv.tools.zoo import member
 
         mod = member(name)
-        path = str(mod.assemble() if mod.assemble else mod.model_dir)
+        path = str(mod.checkpoint())
         examples = mod.make_examples(args.n, seed=args.seed, split=split)
         target = Target(name, path, dtype, mod, examples, mod.max_new_tokens)
     else:

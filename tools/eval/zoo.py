@@ -242,7 +242,7 @@ def run_member(
     example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk). bar: the run's
     one progress bar (two steps an example: its prefill, then its rows; its own bar when None)."""
     mod = member(name)
-    path = str(mod.model_dir)
+    path = str(mod.checkpoint())
     model = load_model(ModelConfig(path=path))
     processor = load_processor(path)
     examples = mod.make_examples(n, seed=seed, split=split)
@@ -304,7 +304,7 @@ def _api_check(mod, model, processor, examples, budgets, answers) -> dict:
     from vlkv.common.config import ServerConfig
     from vlkv.tools.eval.api_check import ask_served
 
-    cfg = ServerConfig(model=ModelConfig(path=str(mod.model_dir)))
+    cfg = ServerConfig(model=ModelConfig(path=str(mod.checkpoint())))
     asks = [(DEFAULT_POLICY, b) for b in budgets]
     result = {}
     served = ask_served(cfg, model, processor, examples, asks, mod.max_new_tokens, 4)

@@ -66,7 +66,7 @@ def load_member(m: Member):
     from vlkv.common.config import ModelConfig
     from vlkv.common.model.loading import load_model, load_processor
 
-    path = str(m.assemble() if m.assemble else m.model_dir)
+    path = str(m.checkpoint())
     return load_model(ModelConfig(path=path)), load_processor(path)
 
 

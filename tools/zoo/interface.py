@@ -58,6 +58,12 @@ class Member:
             **facts,
         )
 
+    def checkpoint(self) -> Path:
+        """The directory to load: ``model_dir``, assembled first where the member is built on first use
+        (``assemble``); every caller that loads a member goes through here, so a fresh machine needs no
+        earlier step."""
+        return self.assemble() if self.assemble else self.model_dir
+
     def is_correct(self, generated_text: str, example: Example) -> bool:
         """True iff the ``scored`` words of the generated text (up to the first eos) are the answer's."""
         return synthetic_task.is_correct(generated_text, example, self.scored)

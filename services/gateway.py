@@ -259,6 +259,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 if lost is not None:
                     raise exc.error from None
                 lost, attempt = exc.error, attempt + 1
+                self.router.note_lost(slot.worker)  # its last report may still look fresh: not drawn again
                 give_up = loop.time() + queue.admit_wait_s
                 log.warning("request %s: %s; retrying once on another decode worker", rid, exc.error.message)
 

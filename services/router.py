@@ -126,6 +126,14 @@ class Router:
         is not picked again until it reports again."""
         w.refused = True
 
+    def note_lost(self, w: Worker) -> None:
+        """``w`` failed a request before its first token (the hand-off could not reach it, or its stream
+        broke): out of the decode draw until it reports again, so the one retry goes to another worker while
+        its last report still looks fresh. A worker that is in fact alive is back at its next report (or at
+        the poll a pick makes when no worker is left in the draw)."""
+        if self.decode.holds(w):
+            self.decode.lost(w)
+
     def note_images(self, address: str, images: tuple[str, ...], tenant: str = "") -> None:
         """``address`` prefilled these images (it holds them in its image cache now)."""
         self.images.note(address, images, tenant)

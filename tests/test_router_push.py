@@ -123,3 +123,30 @@ def test_image_cache_change_log():
     cache._note(False, "k1")
     delta = cache.changes_since(v)
     assert delta.added == ["k2"] and delta.dropped == ["k1"] and not delta.full
+
+
+def test_a_worker_lost_under_a_request_is_not_drawn_again_until_it_reports():
+    """The gateway's one retry after a decode worker failed before the first token: the failed worker's last
+    report is still fresh, but it leaves the draw (``note_lost``) until it reports again."""
+
+    async def main():
+        router, stubs = _router(2)
+        for a in ("a", "b"):
+            router.add_decode(a)
+        stubs["a"].reports.put_nowait(_decode_load(900))  # the most room: picked first
+        stubs["b"].reports.put_nowait(_decode_load(100))
+        await asyncio.sleep(0.01)
+        slot = await router.pick_decode([32] * 4, 16)
+        assert slot.worker.address == "a"
+        slot.settle()
+        router.note_lost(slot.worker)
+        for _ in range(3):
+            again = await router.pick_decode([32] * 4, 16)
+            assert again.worker.address == "b"
+            again.settle()
+        stubs["a"].reports.put_nowait(_decode_load(900))  # alive after all: back at its next report
+        await asyncio.sleep(0.01)
+        assert (await router.pick_decode([32] * 4, 16)).worker.address == "a"
+        await router.close()
+
+    vclock.run(main())

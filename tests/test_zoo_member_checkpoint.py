@@ -48,11 +48,12 @@ def test_checkpoint_assembles_a_built_member_and_returns_a_shipped_one_as_is(tmp
 
 
 def test_zoo_run_member_loads_the_assembled_checkpoint(tmp_path, monkeypatch):
+    import vlkv.common.model.loading as loading
     from vlkv.tools.eval import zoo
 
     calls: list = []
     monkeypatch.setattr(zoo, "member", lambda name: fake_member(tmp_path, calls))
-    monkeypatch.setattr(zoo, "load_model", refuse_load)
+    monkeypatch.setattr(loading, "load_model", refuse_load)
     with pytest.raises(Loaded) as got:
         zoo.run_member("fake_smol", 2, 0, "heldout", [], [0.1])
     assert got.value.args[0] == str(tmp_path / "assembled") and calls == ["assemble"]

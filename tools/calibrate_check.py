@@ -67,18 +67,15 @@ def _member(name: str, n: int, seed: int, rows_at, budgets, chunk: int = 50) -> 
     example, the full cache's answers, every row compressed and decoded through the in-process engine), at
     each budget only the rows ``rows_at(budget)`` (the default and the profile's entry there), without the
     oracle rows this check does not read."""
-    from vlkv.common.config import ModelConfig
-    from vlkv.common.model.loading import load_model, load_processor
     from vlkv.tools.eval.evaluation import prepare
     from vlkv.tools.eval.zoo_report import finalize
     from vlkv.tools.eval.zoo_scoring import full_answers, merge, score_rows
     from vlkv.tools.progress import progress as track
     from vlkv.tools.zoo import member
+    from vlkv.tools.zoo.accuracy import load_member
 
     mod = member(name)
-    path = str(mod.checkpoint())
-    model = load_model(ModelConfig(path=path))
-    processor = load_processor(path)
+    model, processor = load_member(mod)
     examples = mod.make_examples(n, seed=seed, split="heldout")
     hits: dict = {}
     for at in track(range(0, n, chunk), desc=name, unit=f"{chunk} examples"):

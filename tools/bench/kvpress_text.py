@@ -130,7 +130,7 @@ def _run(args, budgets, out: Path) -> tuple[dict, list[dict]]:
     prompts = text_prompts(tokenizer, tasks, lengths, args.split, args.items, args.seed)
     meta = {
         "kvpress": note,
-        "model": f"{MODEL}, {model.dtype}".replace("torch.", ""),
+        "model": f"{MODEL}, {str(model.dtype).removeprefix('torch.')}",
         "split": args.split,
         "seed": args.seed,
         "budgets": budgets,

@@ -33,7 +33,6 @@ from pathlib import Path
 from vlkv.common.compression.presets import PRESETS, preset_params
 from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
 from vlkv.common.config import ModelConfig
-from vlkv.common.model.loading import load_model, load_processor
 from vlkv.tools.eval import zoo_report
 from vlkv.tools.eval.evaluation import prepare
 from vlkv.tools.eval.protocol_ties import recorded
@@ -54,6 +53,7 @@ from vlkv.tools.pool import Pool, WorkerFailed
 from vlkv.tools.progress import Progress
 from vlkv.tools.progress import progress as track
 from vlkv.tools.zoo import MEMBERS, member, text_suite
+from vlkv.tools.zoo.accuracy import load_member
 
 TEXT = "text"
 """``--members`` name of the real-text suite (SmolLM2-135M-Instruct, ``zoo_text.py``)."""
@@ -242,9 +242,7 @@ def run_member(
     example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk). bar: the run's
     one progress bar (two steps an example: its prefill, then its rows; its own bar when None)."""
     mod = member(name)
-    path = str(mod.checkpoint())
-    model = load_model(ModelConfig(path=path))
-    processor = load_processor(path)
+    model, processor = load_member(mod)
     examples = mod.make_examples(n, seed=seed, split=split)
     hits: dict = {}
     texts: dict = {}

@@ -266,7 +266,7 @@ def keep_set_comparison(kvpress, caps, prepared, budget: float) -> list[dict]:
     compare(
         "streamingllm vs StreamingLLMPress, matched",
         "streamingllm",
-        lambda p: {"sinks": 4},
+        lambda p: {"sink_tokens": 4},
         lambda m, k: kvpress.StreamingLLMPress(compression_ratio=ratio_for(m, k), n_sink=4),
         "4 sinks, k = vlkv's k",
     )

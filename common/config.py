@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from vlkv.common.compression.verify import VerifyConfig
 from vlkv.common.errors import ConfigError
 from vlkv.common.security import SecurityConfig, draw_internal_token
 
@@ -202,6 +203,8 @@ class PrefillConfig:
     security: SecurityConfig
     keepalive_s: float
     image_cache_mb: int = 256  # the image cache (reused image K/V, LRU); 0 = off
+    verify: VerifyConfig = field(default_factory=VerifyConfig)  # verified compression's server defaults
+    learned_profile: str = ""  # where the verifier's outcomes are written as a profile ("": not written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,10 @@ class ServerConfig:
     # The compression profile (vlkv calibrate) the prefill workers serve: a path, "" = the checkpoint's
     # compression_profile.json when there is one, "none" = no profile (deploy.servers.load_compression_profile).
     compression_profile: str = ""
+    # Verified compression's server defaults (vlkv serve --verify, --fidelity-floor, --max-budget, ...) and
+    # the file the prefill workers write their learned candidate order to ("": none; a restart loads it).
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    learned_profile: str = ""
     # glibc's trim threshold in every worker (MiB): a thread arena's free top above it goes back to the OS
     # when a free reaches it; below it, it stays resident (malloc_trim never trims thread arenas' tops).
     # 4 MiB gives back what a burst of large inputs left (issue 33); a higher value keeps more memory and
@@ -260,7 +267,15 @@ class ServerConfig:
         return GatewayConfig(self.limits, self.queue, self.transfer, self.security, self.keepalive_s)
 
     def prefill(self) -> PrefillConfig:
-        return PrefillConfig(self.limits, self.transfer, self.security, self.keepalive_s, self.image_cache_mb)
+        return PrefillConfig(
+            self.limits,
+            self.transfer,
+            self.security,
+            self.keepalive_s,
+            self.image_cache_mb,
+            self.verify,
+            self.learned_profile,
+        )
 
     def decode(self) -> DecodeConfig:
         return DecodeConfig(self.limits, self.pool, self.model.device, self.transfer, self.security.tls)

@@ -371,6 +371,9 @@ def compression_from_proto(pb: generate_pb2.CompressionParams) -> CompressionSet
             ),
             lookahead=lookahead,
             lookahead_weight=weight,
+            verify=pb.verify or None,
+            fidelity_floor=float(pb.fidelity_floor) if pb.HasField("fidelity_floor") else None,
+            max_budget=float(pb.max_budget) if pb.HasField("max_budget") else None,
         )
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
@@ -388,6 +391,12 @@ def compression_to_proto(cfg: CompressionSettings) -> generate_pb2.CompressionPa
         pb.lookahead = cfg.lookahead
     if cfg.lookahead_weight is not None:
         pb.lookahead_weight = cfg.lookahead_weight
+    if cfg.verify is not None:
+        pb.verify = cfg.verify
+    if cfg.fidelity_floor is not None:
+        pb.fidelity_floor = cfg.fidelity_floor
+    if cfg.max_budget is not None:
+        pb.max_budget = cfg.max_budget
     return pb
 
 

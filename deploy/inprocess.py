@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.compression.registry import CompressionSettings
+from vlkv.common.compression.verify import VerifyConfig
 from vlkv.common.config import Limits, PoolConfig
 from vlkv.common.errors import ResourceExhausted, VlkvError
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -92,7 +93,8 @@ class InProcessEngine:
     the given or default config's); kv_dtype ("fp16" | "int8" | "fp8") what it means in ``TransferConfig``
     (caches are quantized where the prefill worker would, before admission); device: of the pool (the
     model's); profile: the compression profile the prefill serves (``vlkv serve --compression-profile``),
-    checked against the model here.
+    checked against the model here; verify: verified compression's defaults (``vlkv serve --verify``; None,
+    the default here: requests are compressed by their policy, unverified).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class InProcessEngine:
         limits: Limits | None = None,
         kv_dtype: str = "fp16",
         profile: CompressionProfile | None = None,
+        verify: VerifyConfig | None = None,
         **pool_fields,
     ) -> None:
         self.model = model
@@ -114,7 +117,7 @@ class InProcessEngine:
         self.spec = ModelSpec.from_model(model, self.tokenizer)
         if profile is not None:
             profile.check_model(self.spec.fingerprint)
-        self.prefill = PrefillEngine(model, self.spec, profile=profile)
+        self.prefill = PrefillEngine(model, self.spec, profile=profile, verify_config=verify)
         device = device if device is not None else next(model.parameters()).device
         self.kv_dtype = kv_dtype
         self.pool = dataclasses.replace(pool or PoolConfig(), **pool_fields)

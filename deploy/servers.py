@@ -121,13 +121,32 @@ def load_compression_profile(cfg: ServerConfig, fingerprint: str = "") -> Compre
     return profile
 
 
+def load_learned_profile(cfg: ServerConfig, fingerprint: str = "") -> CompressionProfile | None:
+    """The verifier's learned profile a restart starts from (``--learned-profile PATH`` when the file exists:
+    the prefill workers write it), validated and checked against the model; ConfigError otherwise."""
+    path = cfg.learned_profile
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        profile = read_profile(path)
+        if fingerprint:
+            profile.check_model(fingerprint)
+    except ValueError as err:
+        raise ConfigError(f"refusing to start: learned profile {err}") from None
+    log.info("learned compression profile %s (budgets %s)", profile.label, profile.budgets)
+    return profile
+
+
 async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:
     model, processor, _, spec = _load_worker(cfg, model, processor)
     profile = load_compression_profile(cfg, spec.fingerprint)
+    learned = load_learned_profile(cfg, spec.fingerprint)
     nixl = nixl_agent_for("prefill", cfg.transfer.kv_transport, cfg.security.tls)
     limits = cfg.limits
     images = ImageInputs.from_processor(processor, model.config, limits.max_images, limits.max_image_pixels)
-    servicer = PrefillServicer(model, spec, cfg.prefill(), nixl=nixl, images=images, profile=profile)
+    servicer = PrefillServicer(
+        model, spec, cfg.prefill(), nixl=nixl, images=images, profile=profile, learned=learned
+    )
     server = _worker_server(cfg, port, "PrefillWorker")
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     servicer.address = server.address

@@ -42,6 +42,9 @@ class Draft:
     queries: list[torch.Tensor]
     keys: list[torch.Tensor]
     scale: float
+    logprobs: torch.Tensor | None = (
+        None  # [rows, vocab] fp32: each step's log-softmax (``run_draft(logprobs=)``)
+    )
 
     @property
     def rows(self) -> int:
@@ -66,11 +69,18 @@ class Draft:
 
 @torch.inference_mode()
 def run_draft(
-    model, keys: list[torch.Tensor], values: list[torch.Tensor], first: int, steps: int, eos: Iterable[int]
+    model,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    first: int,
+    steps: int,
+    eos: Iterable[int],
+    logprobs: bool = False,
 ) -> Draft:
     """Up to ``steps`` greedy decode steps over the full cache (per layer ``[H_kv, m, D]`` post-RoPE K and
     V), the first one's input ``first``; no step runs after an end-of-sequence token (none at all when
-    ``first`` is one)."""
+    ``first`` is one). ``logprobs``: also keep each step's next-token log-softmax (the verifier's reference,
+    ``verifier.py``)."""
     m = int(keys[0].shape[1])
     stop = set(eos)
     cache = prompt_cache(model, keys, values)
@@ -78,6 +88,7 @@ def run_draft(
     rec = _QueryRecorder()
     inputs: list[int] = []
     tokens: list[int] = []
+    logp: list[torch.Tensor] = []
     token = int(first)
     for step in range(steps):
         if token in stop:
@@ -91,11 +102,15 @@ def run_draft(
             vlkv_stats=rec,
         )
         inputs.append(token)
-        token = int(out.logits[0, -1].float().argmax())
+        logits = out.logits[0, -1].float()
+        if logprobs:
+            logp.append(torch.log_softmax(logits, -1))
+        token = int(logits.argmax())
         tokens.append(token)
     num_layers = len(keys)
     if not inputs:
         return Draft(m, [], [], [], [], rec.scale)
     queries = [torch.cat(rec.q[layer], dim=1) for layer in range(num_layers)]
     draft_keys = [cache.layers[layer].keys[0] for layer in range(num_layers)]
-    return Draft(m, inputs, tokens, queries, draft_keys, rec.scale)
+    kept = torch.stack(logp) if logp else None
+    return Draft(m, inputs, tokens, queries, draft_keys, rec.scale, kept)

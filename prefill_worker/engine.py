@@ -6,18 +6,25 @@ forward once over the whole prompt (the vlkv attention function hands every laye
 :class:`StatsCollector`, which keeps only the statistics the chosen policy needs), samples the first token
 from the last position's logits (with ``lookahead``, drafts a few greedy tokens over the full cache whose
 attention joins the scores: ``draft_queries.py``), and lets the policy compress each layer's K and V into a
-:class:`CompactKV` (a full cache comes back bitwise unchanged).
+:class:`CompactKV` (a full cache comes back bitwise unchanged). A verified request (``VerifyConfig.plan``)
+collects the statistics every candidate reads, drafts greedily over the full cache and keeps the candidate
+whose cache reproduces the draft best, raising the budget to meet its floor (``verifier.py``; the outcome is
+counted in ``ledger.Ledger``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.profile import CompressionProfile
+from vlkv.common.compression.registry import policy_from_dict
+from vlkv.common.compression.verify import VerifyConfig, VerifyPlan
 from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
@@ -31,6 +38,10 @@ from vlkv.kernels.attention_stats import attention_stats
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.image_reuse import ImageReuser, ReuseReport
+from vlkv.prefill_worker.ledger import LEARNED_KIND, Ledger
+from vlkv.prefill_worker.verifier import Candidate, Verdict, verify
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +52,7 @@ class PrefillResult:
     prefill_ms: float
     reuse: ReuseReport | None = None  # what the image cache did (None: no cache on this worker)
     profile: str = ""  # the compression profile that chose the policy ("": none did)
+    verdict: Verdict | None = None  # what verification did (None: not verified)
 
 
 class StatsCollector:
@@ -68,6 +80,25 @@ class StatsCollector:
         return [self.per_layer[i] for i in range(num_layers)]
 
 
+class StatsByRows:
+    """``vlkv_stats`` observer of a verified request: one :class:`StatsCollector` per distinct first row the
+    candidates read (``Policy.query_start``)."""
+
+    def __init__(self, q_starts, threshold: float) -> None:
+        self.by_row = {q: StatsCollector(q, threshold) for q in sorted(set(q_starts))}
+
+    @property
+    def q_start(self) -> int:
+        return min(self.by_row)
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        for collector in self.by_row.values():
+            collector.observe(layer_idx, query, key, scaling)
+
+    def stats(self, q_start: int, num_layers: int) -> list:
+        return self.by_row[q_start].stats(num_layers)
+
+
 class PrefillEngine:
     def __init__(
         self,
@@ -75,9 +106,15 @@ class PrefillEngine:
         spec: ModelSpec,
         image_cache: ImageCache | None = None,
         profile: CompressionProfile | None = None,
+        verify_config: VerifyConfig | None = None,
+        learned_profile: str = "",
+        learned: CompressionProfile | None = None,
     ) -> None:
-        """``profile``: a compression profile checked against this model (``vlkv calibrate``); it chooses the
-        policy of every request that names none (``CompressionSettings.explicit`` False)."""
+        """``profile``: a compression profile checked against this model (``vlkv calibrate``, or one this
+        server learned); it chooses the policy of every unverified request that names none
+        (``CompressionSettings.explicit`` False), and a verified one tries its entry first. ``verify_config``:
+        the server's verification defaults (None: nothing is verified). ``learned_profile``: where to write the
+        verifier's outcomes as a profile (every ``learn_after`` verified requests; "": not written); ``learned``: a profile it wrote before (the counts start from it)."""
         use_vlkv_attention(model)
         self.model = model
         self.spec = spec
@@ -85,6 +122,20 @@ class PrefillEngine:
         self.device = next(model.parameters()).device
         self.image_cache = image_cache
         self.reuser = ImageReuser(model, spec, image_cache) if image_cache is not None else None
+        self.verify_config = verify_config
+        self.learned_profile = learned_profile
+        labels = verify_config.candidates if verify_config is not None else ()
+        self.candidates = [Candidate(label, policy_from_dict(d)) for label, d in labels]
+        self.ledger = Ledger(
+            self.candidates,
+            verify_config.learn_after if verify_config is not None else 0,
+            spec.fingerprint,
+            {"dtype": str(spec.dtype).removeprefix("torch.")},
+        )
+        for seen in (profile, learned):
+            if seen is not None and seen.measure.get("kind") == LEARNED_KIND:
+                self.ledger.seed(seen)
+                self.ledger.learned_profile = seen.label
 
     @property
     def hint_mismatches(self) -> int:
@@ -125,6 +176,83 @@ class PrefillEngine:
             raise InvalidInput(f"the model rejected the prepared inputs: {exc}") from None
 
     def run(self, req: PreparedRequest) -> PrefillResult:
+        plan = self.verify_config.plan(req.compression) if self.verify_config is not None else None
+        if plan is not None:
+            return self.run_verified(req, plan)
+        return self.run_fixed(req)
+
+    def _first_token(self, logits: torch.Tensor, sampling) -> int:
+        generator = None if sampling.greedy else make_generator(sampling.seed)
+        try:
+            return sample_token(logits, sampling, generator)
+        except NonFiniteLogits as exc:  # from this request's own inputs (its image, its ids)
+            raise InvalidInput(f"the first token cannot be sampled: {exc.message}") from None
+
+    def _verify_candidates(self, budget: float, explicit: bool) -> tuple[list[Candidate], bool, str]:
+        """The candidates in the order verified, whether that order is learned, and the profile label when a
+        calibrated profile put its entry first."""
+        ordered, learned = self.ledger.order(budget)
+        profile = self.profile
+        if profile is None or explicit or profile.measure.get("kind") == LEARNED_KIND:
+            return ordered, learned, ""
+        entry = profile.entry_for(budget)
+        same = [c for c in ordered if c.policy.to_dict() == entry.policy.to_dict()]
+        first = same[0] if same else Candidate(f"profile: {entry.candidate}", entry.policy)
+        return [first, *[c for c in ordered if c is not first]], learned, profile.label
+
+    def run_verified(self, req: PreparedRequest, plan: VerifyPlan) -> PrefillResult:
+        """One prefill, every candidate's statistics, a greedy draft over the full cache, then the verifier
+        (``verifier.verify``) keeps the cache that reproduces the draft best."""
+        start = time.perf_counter()
+        m, tau = req.modality.m, req.modality.tau
+        question = prompt_question(req.input_ids, tau >= m, self.spec.turns)
+        compression = req.compression
+        candidates, learned, label = self._verify_candidates(compression.budget, compression.explicit)
+        reads = [c.policy.query_start(m, tau, question) for c in candidates if c.policy.requires_stats]
+        collector = StatsByRows(reads, compression.threshold) if reads else None
+        logits, keys, values, reuse = self.forward_cached(req, collector, collector.q_start if reads else m)
+        first = self._first_token(logits, req.sampling)
+        steps = max(
+            [plan.draft_tokens] + [c.policy.lookahead_steps(compression.budget, m, tau) for c in candidates]
+        )
+        draft = run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids, logprobs=True)
+        drafted: dict[tuple[int, int], list] = {}
+        num_layers = self.spec.num_layers
+
+        def compress(policy, budget: float) -> CompactKV:
+            stats = None
+            if policy.requires_stats and not policy.is_full(budget):
+                q0 = policy.query_start(m, tau, question)
+                rows = min(policy.lookahead_steps(budget, m, tau), draft.rows)
+                if (q0, rows) not in drafted:
+                    base = collector.stats(q0, num_layers)
+                    extra = draft.col_sums(rows, compression.threshold) if rows else []
+                    drafted[(q0, rows)] = with_draft(base, extra, rows) if rows else base
+                stats = drafted[(q0, rows)]
+            return policy.compress(
+                stats, keys, values, alpha=budget, m=m, tau=tau, first_token=first, question=question
+            )
+
+        ckv, verdict = verify(self.model, candidates, plan, compression.budget, compress, draft, learned)
+        kept = next(c for c in candidates if c.label == verdict.candidate)
+        self._count(compression.budget, verdict, kept.policy)
+        name = "full" if kept.policy.is_full(verdict.budget) else kept.policy.name
+        ms = (time.perf_counter() - start) * 1000
+        return PrefillResult(ckv, req.modality, name, ms, reuse, label, verdict)
+
+    def _count(self, budget: float, verdict: Verdict, policy) -> None:
+        """Count the outcome; every ``learn_after`` verified requests, write the learned profile."""
+        self.ledger.record(budget, verdict, policy)
+        every = self.verify_config.learn_after if self.verify_config is not None else 0
+        if self.learned_profile and every and self.ledger.verified % every == 0:
+            try:
+                label = self.ledger.write(self.learned_profile)
+                log.info("wrote the learned compression profile %s", label)
+            except OSError as exc:  # the request is served; the file waits for the next chance
+                log.warning("cannot write the learned profile %s: %s", Path(self.learned_profile), exc)
+
+    def run_fixed(self, req: PreparedRequest) -> PrefillResult:
+        """The request's (or the profile's) one policy at its budget, unverified."""
         start = time.perf_counter()
         m, tau = req.modality.m, req.modality.tau
         question = prompt_question(req.input_ids, tau >= m, self.spec.turns)
@@ -138,11 +266,7 @@ class PrefillEngine:
         logits, keys, values, reuse = self.forward_cached(
             req, collector, policy.query_start(m, tau, question)
         )
-        generator = None if sampling.greedy else make_generator(sampling.seed)
-        try:
-            first = sample_token(logits, sampling, generator)
-        except NonFiniteLogits as exc:  # from this request's own inputs (its image, its ids)
-            raise InvalidInput(f"the first token cannot be sampled: {exc.message}") from None
+        first = self._first_token(logits, sampling)
         stats = collector.stats(self.spec.num_layers) if collector is not None else None
         steps = policy.lookahead_steps(compression.budget, m, tau)
         if steps and stats is not None:  # lookahead: a greedy draft over the full cache, then discarded

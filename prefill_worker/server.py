@@ -37,6 +37,7 @@ from vlkv.common.reuse import ANONYMOUS, MAX_TENANT_CHARS, TENANT_KEY
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.peers import DecodePeers
+from vlkv.prefill_worker.verifier import verdict_fields
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,15 +52,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         nixl: NixlAgent | None = None,
         images: ImageInputs | None = None,
         profile: CompressionProfile | None = None,
+        learned: CompressionProfile | None = None,
     ) -> None:
         """``images``: what the model's processor produces (every request's model inputs are checked
         against it); None: this worker takes text-only requests. ``profile``: the compression profile it
-        serves, already checked against the model (``PrefillEngine``)."""
+        serves, already checked against the model (``PrefillEngine``); ``learned``: the verifier's learned profile
+        a restart starts from (``cfg.learned_profile``), checked alike."""
         self.cfg = cfg
         self.spec = spec
         self.images = images
         self.image_cache = ImageCache(cfg.image_cache_mb << 20)
-        self.engine = PrefillEngine(model, spec, self.image_cache, profile)
+        self.engine = PrefillEngine(
+            model, spec, self.image_cache, profile, cfg.verify, cfg.learned_profile, learned=learned
+        )
         self.address = ""
         self.draining = False
         self.running = 0
@@ -127,6 +132,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             recomputed_image_tokens=result.reuse.recomputed_tokens if result.reuse else 0,
             recompute_ratio=result.reuse.ratio if result.reuse and result.reuse.hit else 1.0,
             compression_profile=result.profile,
+            **verdict_fields(result.verdict),
         )
 
     def _run_counted(self, *args):
@@ -147,6 +153,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             model_fingerprint=self.spec.fingerprint,
             image_cache=cache_stats_proto(self.image_cache, self.engine.hint_mismatches),
             compression_profile=self.engine.profile.label if self.engine.profile else "",
+            verifier=worker_pb2.VerifierStats(**self.engine.ledger.snapshot()),
         )
 
     async def GetLoad(self, request, context):

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from vlkv.common import logs
+from vlkv.common.compression.registry import DEFAULT_BUDGET
 from vlkv.common.config import GatewayConfig
 from vlkv.common.errors import InvalidInput, Refusal, ResourceExhausted, VlkvError, refusal_of
 from vlkv.common.grpc_server import abort_stream_on_error
@@ -305,6 +306,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     usage.ttft_ms = ttft_ms
                     await _add_reuse_usage(usage, prefill_task)
                     self.metrics.compression.observe(usage.compression_ratio)
+                    self.metrics.record_verdict(usage, prefill_req.compression.budget or DEFAULT_BUDGET)
                     self.metrics.kv_bytes.inc(usage.kv_bytes_kept)
                 yield resp
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
@@ -379,6 +381,20 @@ async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Futu
     usage.recomputed_image_tokens = reply.recomputed_image_tokens
     usage.recompute_ratio = reply.recompute_ratio
     usage.compression_profile = reply.compression_profile
+    for name in VERIFY_USAGE_FIELDS:
+        setattr(usage, name, getattr(reply, name))
+
+
+VERIFY_USAGE_FIELDS = (
+    "verify",
+    "verified_candidate",
+    "verified_agreement",
+    "verified_kl",
+    "budget_raises",
+    "floor_met",
+    "verified_budget",
+    "draft_tokens",
+)
 
 
 def _cancelled_under_us() -> bool:

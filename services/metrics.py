@@ -7,6 +7,7 @@ it over HTTP in the Prometheus text format.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from vlkv.common.compression.verify import budget_bucket
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -44,6 +45,29 @@ class GatewayMetrics:
         )
         self.kv_bytes = Counter(
             "vlkv_kv_bytes_handed_over", "compact KV bytes sent prefill -> decode", registry=r
+        )
+        # Verified compression (docs/compression.md): per request, as its usage reports it
+        self.verified_agreement = Histogram(
+            "vlkv_verified_agreement",
+            "draft agreement of the kept compressed cache, by requested budget (percent)",
+            ["budget"],
+            buckets=(0.25, 0.5, 0.75, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0),
+            registry=r,
+        )
+        self.budget_raises = Counter(
+            "vlkv_budget_raises",
+            "budget doublings to meet a request's fidelity floor",
+            ["budget"],
+            registry=r,
+        )
+        self.floor_misses = Counter(
+            "vlkv_floor_misses",
+            "requests served at the cap below their fidelity floor",
+            ["budget"],
+            registry=r,
+        )
+        self.candidate_wins = Counter(
+            "vlkv_candidate_wins", "verified requests by the candidate kept", ["candidate"], registry=r
         )
         self.hand_off_retries = Counter(
             "vlkv_hand_off_retries",
@@ -103,6 +127,19 @@ class GatewayMetrics:
             "vlkv_image_fetch_seconds", "time of a remote image fetch, success or not",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+
+    def record_verdict(self, usage, requested: float) -> None:
+        """A finished request's verification figures (nothing when it was not verified), under its requested
+        budget."""
+        if not usage.verify:
+            return
+        bucket = budget_bucket(requested)
+        self.verified_agreement.labels(bucket).observe(usage.verified_agreement)
+        if usage.budget_raises:
+            self.budget_raises.labels(bucket).inc(usage.budget_raises)
+        if not usage.floor_met and usage.verify == "floor":
+            self.floor_misses.labels(bucket).inc()
+        self.candidate_wins.labels(usage.verified_candidate).inc()
 
 
 def serve_metrics(metrics: GatewayMetrics, port: int, host: str = "127.0.0.1"):

@@ -115,6 +115,9 @@ class VlkvOptions(BaseModel):
     exact_budget: bool = False
     lookahead: int | None = Field(None, ge=0, le=UINT32)  # draft-query scoring (Policy.lookahead)
     lookahead_weight: float | None = None
+    verify: str = ""  # verified compression: "off", "select", "floor" ("": the server's default)
+    fidelity_floor: float | None = None
+    max_budget: float | None = None
     top_k: int | None = Field(None, ge=0, le=UINT32)
     return_token_ids: bool = False  # choices (and stream deltas) carry the generated token ids
     reuse: str = ""  # image cache: "auto" (default) or "off" (ReuseParams)
@@ -274,6 +277,11 @@ def _compression(v: VlkvOptions) -> generate_pb2.CompressionParams:
         c.lookahead = v.lookahead
     if v.lookahead_weight is not None:
         c.lookahead_weight = v.lookahead_weight
+    c.verify = v.verify
+    if v.fidelity_floor is not None:
+        c.fidelity_floor = v.fidelity_floor
+    if v.max_budget is not None:
+        c.max_budget = v.max_budget
     return c
 
 
@@ -327,7 +335,7 @@ def finish_reason(finished: generate_pb2.Finished) -> str:
 
 def usage_json(u: generate_pb2.Usage) -> dict:
     """OpenAI's usage, plus vlkv's figures (vision tokens, KV kept and full, ratio, layer budgets, TTFT, the
-    compression profile in force)."""
+    compression profile in force, and what verification did: null when the request was not verified)."""
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.generated_tokens,
@@ -344,5 +352,17 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "recomputed_image_tokens": u.recomputed_image_tokens,
             "recompute_ratio": round(u.recompute_ratio, 6),
             "compression_profile": u.compression_profile,
+            "verification": None
+            if not u.verify
+            else {
+                "mode": u.verify,
+                "candidate": u.verified_candidate,
+                "agreement": round(u.verified_agreement, 6),
+                "kl": round(u.verified_kl, 6),
+                "budget_raises": u.budget_raises,
+                "floor_met": u.floor_met,
+                "budget": round(u.verified_budget, 6),
+                "draft_tokens": u.draft_tokens,
+            },
         },
     }

@@ -161,9 +161,9 @@ def test_teacher_forcing_the_full_cache_reproduces_its_greedy_decode():
 
 
 def test_one_forward_teacher_forcing_matches_the_decode_core():
-    """``calibrate_force`` (every forced token in one forward) gives the decode core's step-by-step
+    """``teacher_force`` (every forced token in one forward) gives the decode core's step-by-step
     next-token distributions over the same compressed caches, padded to different lengths in one batch."""
-    from vlkv.tools.calibrate_force import forced_logprobs
+    from vlkv.prefill_worker.teacher_force import forced_logprobs
     from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
 
     model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))

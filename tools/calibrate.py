@@ -8,7 +8,7 @@ tokens (64: the whole answer): the reference tokens and next-token distributions
 preset, the current default) at every budget compresses that same prefill (its own statistics rows from
 the recorded Q and K, as the prefill worker computes them) and the reference tokens are teacher-forced
 through its compressed cache, all of a prompt's distinct caches and forced tokens in one forward
-(``calibrate_force.py``: the decode step's layers and fp32 attention, not N decode steps): **agreement** is the share of positions whose greedy token under the
+(``prefill_worker/teacher_force.py``, as the prefill worker's verifier runs it: the decode step's layers and fp32 attention, not N decode steps): **agreement** is the share of positions whose greedy token under the
 compressed cache is the full cache's, **KL** the mean ``KL(p_full || p_compressed)`` over those positions
 (the prefill's own token is the same for every cache and is not counted). Per budget the candidate with the
 highest mean agreement wins, ties to the lower KL. The table also reports **exact**, the share of prompts whose
@@ -48,8 +48,8 @@ from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.prefill_worker.teacher_force import agreement
 from vlkv.tools.calibrate_answers import ANSWER_MARGIN, answer_recall, free_run, question_of
-from vlkv.tools.calibrate_force import forced_logprobs
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, compress, compress_with, prepare
 
@@ -343,17 +343,11 @@ def _candidate_caches(p, keys, budgets) -> tuple[list, list[int]]:
 
 def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> list[tuple[float, float]]:
     """Per cache (agreement, mean KL) against the full cache's tokens ``ref`` and log-probabilities
-    ``ref_logp`` (``ref_logp[g]`` predicts ``ref[g + 1]``), the prefill's token ``ref[0]`` not counted."""
+    ``ref_logp`` (``ref_logp[g]`` predicts ``ref[g + 1]``), the prefill's token ``ref[0]`` not counted: the
+    verifier's score (``teacher_force.agreement``)."""
     if len(ref) < 2:  # the prefill's token ended the answer: nothing to compare
         return [(1.0, 0.0)] * len(caches)
-    logp = torch.stack(ref_logp[: len(ref) - 1])
-    target = torch.tensor(ref[1:])
-    out = [(1.0, 0.0)] * len(caches)
-    for c, logq in forced_logprobs(model, caches, [ref[:-1]] * len(caches)):
-        agree = float((logq.argmax(-1) == target).float().mean())
-        kl = float((logp.exp() * (logp - logq)).sum(-1).mean())
-        out[c] = (agree, kl)
-    return out
+    return agreement(model, caches, ref[:-1], ref[1:], torch.stack(ref_logp[: len(ref) - 1]))
 
 
 def recall_chunk(model, tokenizer, suffix: str, prepared, prompts, budgets, tokens: int, chosen):

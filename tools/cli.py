@@ -23,6 +23,7 @@ from vlkv.common.config import (
 )
 from vlkv.tools.eval.command import POLICY_HELP, add_eval_parser
 from vlkv.tools.jobs import jobs_flag
+from vlkv.tools.verify_flags import add_verify_flags, verify_config
 
 
 def _server_config(args) -> ServerConfig:
@@ -59,7 +60,16 @@ def _server_config(args) -> ServerConfig:
         image_cache_mb=args.image_cache_mb,
         malloc_trim_mb=args.malloc_trim_mb,
         compression_profile=getattr(args, "compression_profile", ""),
+        verify=_verify_config(args),
+        learned_profile=getattr(args, "learned_profile", ""),
     )
+
+
+def _verify_config(args):
+    try:
+        return verify_config(args)
+    except ValueError as err:
+        raise ConfigError(f"refusing to start: {err}") from None
 
 
 def _internal_token(args) -> str:
@@ -179,6 +189,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "budget chooses the policy; default: compression_profile.json beside the checkpoint if there is one; "
         "'none': no profile. Another model's profile or a bad file is refused at start-up",
     )
+    add_verify_flags(p)
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (ray://host:10001)")
     p.add_argument(
         "--tls-cert", default="", help="PEM certificate: TLS on every server (public and internal)"

@@ -23,6 +23,7 @@ from .random_policy import RandomPolicy
 from .serialize import fields_from_dict
 from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
+from .verify_checks import check_cap, check_floor, check_mode
 from .vlcache import VLCachePolicy
 from .zipcache import ZipCachePolicy
 
@@ -134,7 +135,8 @@ class CompressionSettings:
     (``Sparsity(exact=True)``; ignored by the other allocators); lookahead / lookahead_weight: the policy's
     draft-query options (``Policy.lookahead``; None: the policy's own); explicit: False when the request named no
     policy, allocator nor exact budget (the server's compression profile, if any, then chooses the policy:
-    ``profile.CompressionProfile.policy_for``)."""
+    ``profile.CompressionProfile.policy_for``). verify / fidelity_floor / max_budget: verified compression
+    (``verify.py``; None: the server's default)."""
 
     policy: str = DEFAULT_POLICY
     budget: float = DEFAULT_BUDGET
@@ -144,6 +146,9 @@ class CompressionSettings:
     explicit: bool = True
     lookahead: int | None = None
     lookahead_weight: float | None = None
+    verify: str | None = None
+    fidelity_floor: float | None = None
+    max_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -156,6 +161,12 @@ class CompressionSettings:
         if self.allocator and self.allocator not in allocator_names():
             names = ", ".join(allocator_names())
             raise ValueError(f"unknown allocator {self.allocator!r}; choose from {names}")
+        if self.verify is not None:
+            check_mode(self.verify)
+        if self.fidelity_floor is not None:
+            check_floor(self.fidelity_floor)
+        if self.max_budget is not None:
+            check_cap(self.max_budget)
         self.build_policy()  # policy-level checks (ValueError)
 
     @property

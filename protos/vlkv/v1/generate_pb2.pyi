@@ -91,7 +91,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CompressionParams(_message.Message):
-    __slots__ = ("policy", "budget", "threshold", "allocator", "exact_budget", "lookahead", "lookahead_weight")
+    __slots__ = ("policy", "budget", "threshold", "allocator", "exact_budget", "lookahead", "lookahead_weight", "verify", "fidelity_floor", "max_budget")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,9 @@ class CompressionParams(_message.Message):
     EXACT_BUDGET_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     policy: str
     budget: float
     threshold: float
@@ -106,7 +109,10 @@ class CompressionParams(_message.Message):
     exact_budget: bool
     lookahead: int
     lookahead_weight: float
-    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., threshold: _Optional[float] = ..., allocator: _Optional[str] = ..., exact_budget: _Optional[bool] = ..., lookahead: _Optional[int] = ..., lookahead_weight: _Optional[float] = ...) -> None: ...
+    verify: str
+    fidelity_floor: float
+    max_budget: float
+    def __init__(self, policy: _Optional[str] = ..., budget: _Optional[float] = ..., threshold: _Optional[float] = ..., allocator: _Optional[str] = ..., exact_budget: _Optional[bool] = ..., lookahead: _Optional[int] = ..., lookahead_weight: _Optional[float] = ..., verify: _Optional[str] = ..., fidelity_floor: _Optional[float] = ..., max_budget: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token", "finished")
@@ -135,7 +141,7 @@ class Finished(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile")
+    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile", "verified_candidate", "verified_agreement", "verified_kl", "budget_raises", "floor_met", "verify", "verified_budget", "draft_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +155,14 @@ class Usage(_message.Message):
     RECOMPUTED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_KL_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_RAISES_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_MET_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     generated_tokens: int
@@ -162,4 +176,12 @@ class Usage(_message.Message):
     recomputed_image_tokens: int
     recompute_ratio: float
     compression_profile: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ...) -> None: ...
+    verified_candidate: str
+    verified_agreement: float
+    verified_kl: float
+    budget_raises: int
+    floor_met: bool
+    verify: str
+    verified_budget: float
+    draft_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ..., verified_candidate: _Optional[str] = ..., verified_agreement: _Optional[float] = ..., verified_kl: _Optional[float] = ..., budget_raises: _Optional[int] = ..., floor_met: _Optional[bool] = ..., verify: _Optional[str] = ..., verified_budget: _Optional[float] = ..., draft_tokens: _Optional[int] = ...) -> None: ...

@@ -1,4 +1,5 @@
-"""Teacher forcing of one prompt's compressed caches in a single forward (``vlkv calibrate``'s candidates).
+"""Teacher forcing of one prompt's compressed caches in a single forward (the verifier's candidates,
+``verifier.py``, and ``vlkv calibrate``'s).
 
 The decode core feeds one token per step (``InProcessEngine.teacher_force``): for N forced tokens, N
 steps, each gathering every cache's paged blocks again. The forced tokens are known in advance (the full
@@ -11,7 +12,8 @@ each forced token attending to its cache's kept positions and, causally, to the 
 own. That is the decode step's arithmetic on the same inputs (the softmax over the same keys), in one
 batched matmul instead of N; only the order of floating-point sums differs.
 
-``forced_logprobs`` yields, per cache, the log-softmax of the next-token logits after each forced token.
+``forced_logprobs`` yields, per cache, the log-softmax of the next-token logits after each forced token;
+``agreement`` scores them against the full cache's own tokens and log-probabilities.
 """
 
 from __future__ import annotations
@@ -110,3 +112,22 @@ def forced_logprobs(
         logq = torch.log_softmax(model.lm_head(hidden[at : at + rows_per_head]).float(), -1)
         for r in range(logq.shape[0]):
             yield at + r, logq[r, : len(tokens[at + r])]
+
+
+def agreement(
+    model, caches: list[CompactKV], inputs: list[int], targets: list[int], ref_logp: torch.Tensor
+) -> list[tuple[float, float]]:
+    """Per cache ``(agreement, mean KL)``: ``inputs`` teacher-forced through it, ``targets[g]`` the full
+    cache's greedy token after ``inputs[: g + 1]`` and ``ref_logp[g]`` (``[vocab]`` fp32) its log-softmax there.
+    Agreement is the share of positions whose greedy token under the compressed cache is the full cache's,
+    KL the mean ``KL(p_full || p_compressed)``; ``(1.0, 0.0)`` for every cache when there is nothing to force."""
+    if not inputs or not caches:
+        return [(1.0, 0.0)] * len(caches)
+    target = torch.tensor(targets, device=ref_logp.device)
+    out = [(1.0, 0.0)] * len(caches)
+    for c, logq in forced_logprobs(model, caches, [list(inputs)] * len(caches)):
+        logq = logq.to(ref_logp.device)
+        agree = float((logq.argmax(-1) == target).float().mean())
+        kl = float((ref_logp.exp() * (ref_logp - logq)).sum(-1).mean())
+        out[c] = (agree, kl)
+    return out

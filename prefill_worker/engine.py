@@ -53,6 +53,8 @@ class PrefillResult:
     reuse: ReuseReport | None = None  # what the image cache did (None: no cache on this worker)
     profile: str = ""  # the compression profile that chose the policy ("": none did)
     verdict: Verdict | None = None  # what verification did (None: not verified)
+    draft_ms: float = 0.0  # of prefill_ms: the greedy draft over the full cache (lookahead or verification)
+    verify_ms: float = 0.0  # of prefill_ms: the candidates' compression and teacher forcing (verification)
 
 
 class StatsCollector:
@@ -215,7 +217,9 @@ class PrefillEngine:
         steps = max(
             [plan.draft_tokens] + [c.policy.lookahead_steps(compression.budget, m, tau) for c in candidates]
         )
+        t_draft = time.perf_counter()
         draft = run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids, logprobs=True)
+        t_verify = time.perf_counter()
         drafted: dict[tuple[int, int], list] = {}
         num_layers = self.spec.num_layers
 
@@ -234,11 +238,13 @@ class PrefillEngine:
             )
 
         ckv, verdict = verify(self.model, candidates, plan, compression.budget, compress, draft, learned)
+        t_end = time.perf_counter()
         kept = next(c for c in candidates if c.label == verdict.candidate)
         self._count(compression.budget, verdict, kept.policy)
         name = "full" if kept.policy.is_full(verdict.budget) else kept.policy.name
         ms = (time.perf_counter() - start) * 1000
-        return PrefillResult(ckv, req.modality, name, ms, reuse, label, verdict)
+        draft_ms, verify_ms = (t_verify - t_draft) * 1000, (t_end - t_verify) * 1000
+        return PrefillResult(ckv, req.modality, name, ms, reuse, label, verdict, draft_ms, verify_ms)
 
     def _count(self, budget: float, verdict: Verdict, policy) -> None:
         """Count the outcome; every ``learn_after`` verified requests, write the learned profile."""
@@ -269,9 +275,12 @@ class PrefillEngine:
         first = self._first_token(logits, sampling)
         stats = collector.stats(self.spec.num_layers) if collector is not None else None
         steps = policy.lookahead_steps(compression.budget, m, tau)
+        draft_ms = 0.0
         if steps and stats is not None:  # lookahead: a greedy draft over the full cache, then discarded
+            t_draft = time.perf_counter()
             draft = run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids)
             stats = with_draft(stats, draft.col_sums(steps, compression.threshold), draft.rows)
+            draft_ms = (time.perf_counter() - t_draft) * 1000
         # A full cache (full policy or budget >= 1) comes back from compress bitwise unchanged.
         with torch.inference_mode():
             ckv = policy.compress(
@@ -286,4 +295,5 @@ class PrefillEngine:
             )
         name = "full" if full else policy.name
         label = self.profile.label if profiled else ""
-        return PrefillResult(ckv, req.modality, name, (time.perf_counter() - start) * 1000, reuse, label)
+        ms = (time.perf_counter() - start) * 1000
+        return PrefillResult(ckv, req.modality, name, ms, reuse, label, draft_ms=draft_ms)

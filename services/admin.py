@@ -42,6 +42,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 )
                 if kind == "prefill" and w.load.HasField("image_cache"):
                     out.workers[-1].image_cache.CopyFrom(w.load.image_cache)
+                if kind == "prefill" and w.load.HasField("verifier"):
+                    out.workers[-1].verifier.CopyFrom(w.load.verifier)
         for e in self.autoscaler.events if self.autoscaler else []:
             out.events.append(
                 admin_pb2.ScalingEvent(

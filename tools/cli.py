@@ -23,7 +23,7 @@ from vlkv.common.config import (
 )
 from vlkv.tools.eval.command import POLICY_HELP, add_eval_parser
 from vlkv.tools.jobs import jobs_flag
-from vlkv.tools.verify_flags import add_verify_flags, verify_config
+from vlkv.tools.verify_flags import add_verify_flags, format_verifier, verify_config
 
 
 def _server_config(args) -> ServerConfig:
@@ -454,6 +454,9 @@ def cmd_status(args) -> int:
             print(
                 f"compression profile {w.address}: {w.compression_profile or 'none (the policies defaults)'}"
             )
+    for w in st.workers:
+        if w.kind == "prefill" and w.HasField("verifier") and w.verifier.verified:
+            print(f"verification {w.address}: {format_verifier(w.verifier)}")
     for address, c in caches:
         looked = c.hits + c.misses
         print(

@@ -1,5 +1,6 @@
 """``vlkv serve``'s verified-compression flags (``common/compression/verify.py``): defined once, read into a
-:class:`VerifyConfig` (a bad value is refused at start-up, naming the flag)."""
+:class:`VerifyConfig` (a bad value is refused at start-up, naming the flag); ``vlkv status``'s line of a
+prefill worker's outcomes."""
 
 from __future__ import annotations
 
@@ -69,3 +70,17 @@ def verify_config(args) -> VerifyConfig:
         draft_tokens=getattr(args, "verify_draft", DEFAULT_DRAFT_TOKENS),
         learn_after=getattr(args, "verify_learn_after", DEFAULT_LEARN_AFTER),
     )
+
+
+def format_verifier(v) -> str:
+    """One prefill worker's ``VerifierStats``: requests, raises, floor misses, wins, agreement per budget."""
+    wins = ", ".join(f"{k} {n}" for k, n in sorted(v.wins.items(), key=lambda x: -x[1]))
+    per = ", ".join(
+        f"{b}%: {v.mean_agreement[b]:.3f} (n={v.bucket_requests[b]})"
+        for b in sorted(v.mean_agreement, key=float)
+    )
+    text = (
+        f"{v.verified} verified, {v.budget_raises} budget raises, {v.floor_misses} floor misses; "
+        f"wins: {wins}; mean agreement {per}"
+    )
+    return text + (f"; learned profile {v.learned_profile}" if v.learned_profile else "")

@@ -12,7 +12,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "compression_profile")
+    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "compression_profile", "verifier")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WorkerStatus(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
     kind: str
     address: str
     state: str
@@ -41,7 +42,8 @@ class WorkerStatus(_message.Message):
     kv_dtype: str
     block_bytes: int
     compression_profile: str
-    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[_worker_pb2.ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., compression_profile: _Optional[str] = ...) -> None: ...
+    verifier: _worker_pb2.VerifierStats
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[_worker_pb2.ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[_worker_pb2.VerifierStats, _Mapping]] = ...) -> None: ...
 
 class ScalingEvent(_message.Message):
     __slots__ = ("unix_time", "kind", "action", "replicas", "reason")

@@ -116,7 +116,14 @@ def test_chat_with_image_equals_grpc_and_reports_usage(front):
         v["kv_bytes_kept"] == r.kv_bytes_kept > 0 and v["kv_bytes_full"] == r.kv_bytes_full > r.kv_bytes_kept
     )
     assert v["vision_tokens"] == r.vision_tokens > 0 and v["layer_budgets"] == list(r.layer_budgets)
-    assert v["policy"] == "vlcache" and 0 < v["compression_ratio"] <= 1 and v["ttft_ms"] > 0
+    assert v["policy"] == r.policy and 0 < v["compression_ratio"] <= 1 and v["ttft_ms"] > 0
+    # a request that names no policy is verified (the server's default, floor); usage says what happened
+    w = v["verification"]
+    assert w["mode"] == "floor" == r.verify and w["candidate"] == r.verified_candidate != ""
+    assert w["agreement"] == pytest.approx(r.verified_agreement) and w["draft_tokens"] == r.draft_tokens > 0
+    assert (
+        w["budget"] >= 0.5 - 1e-6 and w["floor_met"] == r.floor_met and w["budget_raises"] == r.budget_raises
+    )
 
 
 def test_streaming_chat_with_image_and_usage_chunk(front):
@@ -184,6 +191,11 @@ ERRORS = {
         dict(messages=[{"role": "user", "content": Q}], extra_body={"vlkv": {"policy": "magic"}}),
         openai.BadRequestError,
         "unknown compression policy",
+    ),
+    "fidelity floor out of range": (
+        dict(messages=[{"role": "user", "content": Q}], extra_body={"vlkv": {"fidelity_floor": 1.5}}),
+        openai.BadRequestError,
+        "fidelity_floor",
     ),
     "unknown model": (
         dict(messages=[{"role": "user", "content": Q}], model="gpt-5"),
@@ -324,8 +336,11 @@ def test_disconnect_mid_stream_cancels_and_frees_the_kv(front):
 def test_grpc_and_http_share_the_metrics_labelled_by_front(front):
     ok_http = _metric(front, "vlkv_requests_total", status="OK", front="http")
     ok_grpc = _metric(front, "vlkv_requests_total", status="OK", front="grpc")
+    verified = _metric(front, "vlkv_verified_agreement_count", budget="10")
     _grpc(front, build_request(images=[random_png(6)], question=Q, max_new_tokens=2))
     front.client.chat.completions.create(model=MODEL, messages=chat(data_url(random_png(6))), max_tokens=2)
     assert _metric(front, "vlkv_requests_total", status="OK", front="http") == ok_http + 1
     assert _metric(front, "vlkv_requests_total", status="OK", front="grpc") == ok_grpc + 1
     assert _metric(front, "vlkv_ttft_seconds_count", front="http") >= 1
+    # both requests named no policy: verified at the default 10% and counted there
+    assert _metric(front, "vlkv_verified_agreement_count", budget="10") == verified + 2

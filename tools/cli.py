@@ -226,6 +226,16 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=None, help="sparsity threshold p; default 0.01")
     p.add_argument("--allocator", default="", help="sparsity, uniform, pyramid or cake")
     p.add_argument("--exact-budget", action="store_true")
+    p.add_argument(
+        "--verify",
+        default="",
+        choices=["", "off", "select", "floor"],
+        help="verified compression (default: the server's for a request that names no policy)",
+    )
+    p.add_argument("--fidelity-floor", type=float, default=None, help="draft agreement --verify floor asks")
+    p.add_argument(
+        "--max-budget", type=float, default=None, help="the largest budget --verify floor raises to"
+    )
 
 
 def _request_kwargs(args) -> dict:
@@ -241,6 +251,9 @@ def _request_kwargs(args) -> dict:
         threshold=args.threshold,
         allocator=args.allocator,
         exact_budget=args.exact_budget,
+        verify=args.verify,
+        fidelity_floor=args.fidelity_floor,
+        max_budget=args.max_budget,
     )
 
 
@@ -333,6 +346,14 @@ def cmd_generate(args) -> int:
                     f"TTFT {u.ttft_ms:.0f} ms",
                     file=sys.stderr,
                 )
+                if u.verify:
+                    met = "met" if u.floor_met else "NOT met"
+                    print(
+                        f"verified ({u.verify}): kept {u.verified_candidate}, agreement {u.verified_agreement:.3f} "
+                        f"over {u.draft_tokens} draft tokens, KL {u.verified_kl:.4f}, budget {u.verified_budget:g} "
+                        f"after {u.budget_raises} raises, floor {met}",
+                        file=sys.stderr,
+                    )
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -357,7 +378,7 @@ def cmd_demo(args) -> int:
 
     async def body(cluster) -> int:
         channel, stub = connect(cluster.address, token=args.api_token, ca=args.tls_ca)
-        summary = DemoSummary(args.policy, args.budget)
+        summary = DemoSummary(args.policy or "verified", args.budget)
         try:
             for i, ex in enumerate(examples):
                 images = [png_bytes(im) for im in ex.images]
@@ -388,6 +409,13 @@ def cmd_demo(args) -> int:
                     f"(ratio {u.compression_ratio:.3f}, {u.policy}), TTFT {u.ttft_ms:.0f} ms",
                     flush=True,
                 )
+                if u.verify:
+                    print(
+                        f"    verified: kept {u.verified_candidate} at {u.verified_budget:.0%} "
+                        f"({u.budget_raises} raises), draft agreement {u.verified_agreement:.3f}"
+                        f"{'' if u.floor_met else ' (floor not met)'}",
+                        flush=True,
+                    )
             pool = await asyncio.to_thread(_decode_pool, cluster.address, args)
         finally:
             channel.close()
@@ -595,7 +623,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     # VL-Cache at 10% by default, each question also asked with the full cache for the summary's comparison
     # (`vlkv eval --table` measures accuracy across policies and budgets).
-    p.add_argument("--policy", default="vlcache", help=POLICY_HELP)
+    p.add_argument(
+        "--policy",
+        default="",
+        help=POLICY_HELP + " (default: none named, so the server verifies its candidates: --verify)",
+    )
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument(
         "--no-compare-full",

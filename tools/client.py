@@ -37,6 +37,9 @@ def build_request(
     exact_budget: bool = False,
     lookahead: int | None = None,
     lookahead_weight: float | None = None,
+    verify: str = "",
+    fidelity_floor: float | None = None,
+    max_budget: float | None = None,
 ) -> generate_pb2.GenerateRequest:
     """A request with a plain-text ``prompt``, or, with ``question``, a one-turn chat: images then text."""
     sampling = generate_pb2.SamplingParams(stop=list(stop))
@@ -60,6 +63,11 @@ def build_request(
         compression.lookahead = lookahead
     if lookahead_weight is not None:
         compression.lookahead_weight = lookahead_weight
+    compression.verify = verify
+    if fidelity_floor is not None:
+        compression.fidelity_floor = fidelity_floor
+    if max_budget is not None:
+        compression.max_budget = max_budget
     req = generate_pb2.GenerateRequest(
         request_id=request_id, images=list(images), sampling=sampling, compression=compression
     )

@@ -20,6 +20,9 @@ class DemoSummary:
     full: int = 0
     layer_budgets: list[list[int]] = field(default_factory=list)
     prompts: list[int] = field(default_factory=list)
+    verified: int = 0
+    raised: int = 0
+    floor_missed: int = 0
 
     def add(self, out, ok: bool, ref=None, ref_ok: bool | None = None) -> None:
         """One answered question: ``out`` compressed (a ``tools.client`` result), ``ref`` the full cache."""
@@ -30,6 +33,10 @@ class DemoSummary:
         self.full += u.kv_bytes_full
         self.layer_budgets.append(list(u.layer_budgets))
         self.prompts.append(u.prompt_tokens)
+        if u.verify:
+            self.verified += 1
+            self.raised += u.budget_raises > 0
+            self.floor_missed += not u.floor_met
         if ref is not None:
             self.compared += 1
             self.full_correct += bool(ref_ok)
@@ -58,6 +65,11 @@ class DemoSummary:
             lines.append(
                 f"  KV bytes kept: {self.kept / self.n / 1e6:.2f} MB of {self.full / self.n / 1e6:.2f} MB per "
                 f"request on average ({self.kept / self.full:.1%})"
+            )
+        if self.verified:
+            lines.append(
+                f"  verified: {self.verified}/{self.n} requests, {self.raised} with the budget raised, "
+                f"{self.floor_missed} below the fidelity floor at the cap"
             )
         if pool is not None and self.n and self.policy == "full":
             comp, _ = self.capacity(pool[0], block_size, max_new_tokens)

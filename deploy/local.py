@@ -13,8 +13,10 @@ import os
 
 import ray
 from vlkv.common.config import ServerConfig
+from vlkv.common.errors import ConfigError
 from vlkv.deploy.actors import DecodeActor, PrefillActor
 from vlkv.deploy.autoscaler import Autoscaler, PoolSpec, Replica
+from vlkv.deploy.placement import placement_problems
 from vlkv.deploy.servers import Running, start_gateway, start_http_front
 from vlkv.services.http_front import HttpFrontConfig
 from vlkv.services.http_server import HttpServer
@@ -96,8 +98,23 @@ class LocalCluster:
             await asyncio.gather(*(actor.allow_decode.remote(a) for a in list(self._decode_addresses)))
         return Replica(kind, actor, address, state="serving")
 
+    def _check_placement(self) -> None:
+        """ConfigError naming what the pools ask that Ray lacks (a warning on a joined cluster, which an
+        autoscaler may still grow)."""
+        joined = bool(self.ray_address or os.environ.get("RAY_ADDRESS"))
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        problems = placement_problems(self.specs, ray.cluster_resources(), nodes)
+        if not problems:
+            return
+        if joined:
+            for problem in problems:
+                log.warning("%s (waiting for the cluster to grow)", problem)
+            return
+        raise ConfigError("refusing to start: " + "; ".join(problems))
+
     async def start(self) -> str:
         init_ray(self.ray_address)
+        self._check_placement()
         first = await asyncio.gather(
             *(self._start_actor(k) for k, spec in self.specs.items() for _ in range(spec.min_replicas)),
             return_exceptions=True,

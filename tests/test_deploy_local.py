@@ -72,3 +72,16 @@ def test_workers_are_separate_processes_and_pools_return(cluster):
         load = worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(worker_pb2.LoadRequest(), timeout=10)
     assert load.free_blocks == load.total_blocks > 0
     assert load.running == 0
+
+
+def test_pools_ray_cannot_place_are_refused_before_any_worker_starts(cluster, tiny_model_dirs):
+    """`vlkv serve --prefill 3 --decode 1` on a 2-CPU Ray: refused at once, naming the CPUs and the flags."""
+    from vlkv.common.errors import ConfigError
+
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=4 << 20)
+    )
+    big = LocalCluster(cfg, prefill=PoolSpec(min_replicas=3, max_replicas=3), decode=PoolSpec())
+    with pytest.raises(ConfigError, match=r"4 CPU .*3 prefill x 1 \+ 1 decode x 1.*has 2.*--worker-cpus"):
+        asyncio.run(big.start())
+    assert big.gateway is None and big.autoscaler is None and big._prefill_actors == []

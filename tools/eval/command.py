@@ -12,7 +12,7 @@ POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv
 
 # Flags that only one mode reads; given to another mode they would be ignored without a word.
 API_ONLY = ("budgets", "concurrency", "batch_invariant", "dtype", "member", "compression_profile")
-ZOO_ONLY = ("members", "text_n", "jobs", "text_lengths", "text_tasks", "rows")
+ZOO_ONLY = ("members", "text_n", "jobs", "text_lengths", "text_tasks", "rows", "verify")
 
 
 def _flag(dest: str) -> str:
@@ -158,6 +158,13 @@ def add_eval_parser(sub) -> None:
     )
     p.add_argument(
         "--rows", default="", help="--zoo --ablation: only these ABLATION rows (labels, `|`-separated)"
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="--zoo: also verified compression's rows (verify: floor and select, the server's defaults, through "
+        "the in-process stack) beside its fixed candidates' curves and the oracle, per image member -> "
+        "zoo.md's verifier section, zoo_verify.png (tools/eval/zoo_verify.py)",
     )
     p.add_argument(
         "--protocol",

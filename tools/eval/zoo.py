@@ -33,7 +33,7 @@ from pathlib import Path
 from vlkv.common.compression.presets import PRESETS, preset_params
 from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
 from vlkv.common.config import ModelConfig
-from vlkv.tools.eval import zoo_report
+from vlkv.tools.eval import zoo_report, zoo_verify
 from vlkv.tools.eval.evaluation import prepare
 from vlkv.tools.eval.protocol_ties import recorded
 from vlkv.tools.eval.zoo_report import finalize, worst_member
@@ -237,12 +237,15 @@ def run_member(
     api: bool = False,
     chunk: int = 50,
     bar: Progress | Steps | None = None,
+    verify: bool = False,
 ) -> dict:
     """One member's result (``zoo_report``'s shape): every row at every budget, the two oracle rows, per
     example, in chunks of ``chunk`` examples (one prefill each, freed before the next chunk). bar: the run's
-    one progress bar (two steps an example: its prefill, then its rows; its own bar when None)."""
+    one progress bar (two steps an example: its prefill, then its rows; its own bar when None). verify: also
+    verified compression's rows (``zoo_verify.py``), under ``verify``."""
     mod = member(name)
     model, processor = load_member(mod)
+    verified = zoo_verify.Verified(model, processor, mod, budgets, configs) if verify else None
     examples = mod.make_examples(n, seed=seed, split=split)
     hits: dict = {}
     texts: dict = {}
@@ -254,11 +257,13 @@ def run_member(
         )
         ms += [p.m for p in prepared]
         part_texts: dict = {}
-        merge(
-            hits,
-            score_chunk(model, processor, prepared, configs, budgets, mod.max_new_tokens, texts=part_texts),
+        right = score_chunk(
+            model, processor, prepared, configs, budgets, mod.max_new_tokens, texts=part_texts
         )
+        merge(hits, right)
         merge(texts, part_texts)
+        if verified is not None:
+            verified.score(prepared, right)
         if bar is not None:
             bar.update(len(part))
         del prepared
@@ -266,6 +271,8 @@ def run_member(
     out = finalize({"hits": hits, "m": sum(ms) / len(ms), "geometry": mod.geometry})
     out["eviction_trained"] = mod.eviction_trained
     out["real_decoder"] = mod.assemble is not None  # assembled from SmolLM2's GGUF
+    if verified is not None:
+        out["verify"] = verified.result()
     if api:
         answers = {b: texts[DEFAULT_POLICY][str(b)] for b in budgets}
         out["api"] = _api_check(mod, model, processor, examples, budgets, answers)
@@ -322,6 +329,7 @@ def run_zoo(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "zoo_ablation" if ablation else "zoo"
+    verify = bool(getattr(args, "verify", False))
     start = time.perf_counter()
     results: dict = {}
     described = {label: {"policy": policy, "params": params} for label, policy, params in configs}
@@ -331,7 +339,7 @@ def run_zoo(args) -> int:
     def write() -> list[str]:  # after every member, so a long run leaves its tables as it goes
         md = zoo_report.render(
             results, budgets, _command(args, split), split, time.perf_counter() - start, PREVIOUS_LABEL
-        )
+        ) + (zoo_verify.render(results) if verify else [])
         (out / f"{stem}.md").write_text("\n".join(md) + "\n")
         (out / f"{stem}.json").write_text(
             json.dumps({"split": split, "n": args.n, "configs": described, "results": results}, indent=1)
@@ -347,11 +355,17 @@ def run_zoo(args) -> int:
     if jobs > 1 and getattr(args, "api", False):
         print("vlkv eval --zoo --api: one process (--api starts servers); --jobs ignored", file=sys.stderr)
         jobs = 1
+    if verify and TEXT in names:
+        print(
+            "vlkv eval --zoo --verify: verifier rows for the image members only, not the text suite",
+            file=sys.stderr,
+        )
     # one bar over the whole run, with an ETA: per example its prefill, then its rows, each weighted by its cost
     with Progress(2 * steps, desc="vlkv eval --zoo", unit="steps") as bar:
         if jobs > 1:
             spec = {"n": args.n, "seed": args.seed, "split": split, "configs": configs, "budgets": budgets}
             spec["text_n"] = text_n
+            spec["verify"] = verify
             done: dict = {}
 
             def finished(item: Item, result: dict) -> None:  # the tables in the serial run's order
@@ -387,12 +401,17 @@ def run_zoo(args) -> int:
                     budgets,
                     api=getattr(args, "api", False),
                     bar=Steps(bar, _weight(name)),
+                    verify=verify,
                 )
                 write()
     md = write()
     zoo_report.plot(results, budgets, out / f"{stem}.png")
+    plotted = verify and zoo_verify.plot(results, out / f"{stem}_verify.png")
     print("\n".join(md))
-    print(f"wrote {out / (stem + '.md')}, {stem}.json and {stem}.png")
+    print(
+        f"wrote {out / (stem + '.md')}, {stem}.json and {stem}.png"
+        + (f" and {stem}_verify.png" if plotted else "")
+    )
     return 0
 
 
@@ -432,7 +451,8 @@ def _run_item(item: Item, spec: dict, bar) -> dict:
     parent finalizes it as the serial run does)."""
     common = (spec["seed"], spec["split"], spec["configs"], spec["budgets"])
     if item.kind != TEXT:
-        return run_member(item.name, spec["n"], *common, bar=Steps(bar, _weight(item.name)))
+        bar = Steps(bar, _weight(item.name))
+        return run_member(item.name, spec["n"], *common, bar=bar, verify=spec.get("verify", False))
     if not _TEXT_MODEL:
         _TEXT_MODEL.extend(load_text_model())
     model, processor = _TEXT_MODEL
@@ -448,6 +468,7 @@ def _command(args, split: str) -> str:
     flags = (" --ablation" if getattr(args, "ablation", False) else "") + (
         " --api" if getattr(args, "api", False) else ""
     )
+    flags += " --verify" if getattr(args, "verify", False) else ""
     cmd = f"vlkv eval --zoo{flags} -n {args.n} --split {split}"
     if getattr(args, "seed", 0):
         cmd += f" --seed {args.seed}"

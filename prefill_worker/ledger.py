@@ -30,6 +30,9 @@ class _Bucket:
     wins: Counter = field(default_factory=Counter)
     agreement: float = 0.0  # sum over requests
     kl: dict = field(default_factory=lambda: defaultdict(float))  # candidate -> summed KL when it won
+    agreed: dict = field(
+        default_factory=lambda: defaultdict(float)
+    )  # candidate -> summed agreement when it won
 
 
 class Ledger:
@@ -75,6 +78,7 @@ class Ledger:
             bucket.wins[verdict.candidate] += 1
             bucket.agreement += verdict.agreement
             bucket.kl[verdict.candidate] += verdict.kl
+            bucket.agreed[verdict.candidate] += verdict.agreement
             self.verified += 1
             self.raises += verdict.raises
             self.floor_misses += 0 if verdict.floor_met else 1
@@ -95,6 +99,7 @@ class Ledger:
                 bucket.requests += wins
                 bucket.agreement += float(row["agreement"]) * wins
                 bucket.kl[row["candidate"]] += float(row["kl"]) * wins
+                bucket.agreed[row["candidate"]] += float(row["agreement"]) * wins
                 taken += 1
         return taken
 
@@ -118,7 +123,8 @@ class Ledger:
 
     def profile(self) -> CompressionProfile | None:
         """The outcomes as a compression profile (None before any request was verified): per budget bucket the
-        most-winning candidate's policy, and a table row per candidate that won there."""
+                most-winning candidate's policy, and a table row per candidate that won there (its wins as ``prompts``,
+        the mean agreement and KL of the caches it was kept for)."""
         policies = self._policies
         rank = {c.label: i for i, c in enumerate(self.candidates)}
         with self._lock:
@@ -133,7 +139,7 @@ class Ledger:
                         {
                             "candidate": label,
                             "budget": b.budget,
-                            "agreement": b.agreement / b.requests,
+                            "agreement": b.agreed[label] / n,
                             "kl": b.kl[label] / n,
                             "prompts": n,
                             "policy": policies[label].to_dict(),

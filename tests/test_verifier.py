@@ -202,3 +202,35 @@ def test_ledger_learns_nothing_before_enough_requests():
     ledger = Ledger(cands, learn_after=2, fingerprint="f")
     assert ledger.order(0.1) == (cands, False)
     assert ledger.profile() is None
+
+
+def test_calibrate_verifier_is_the_served_verifier_offline(tmp_path):
+    """`vlkv calibrate --verifier`: every prompt at every budget through the prefill engine's verifier; the
+    profile it writes is what `--learned-profile` loads, with the served ledger's counts."""
+    from vlkv.common.config import DEFAULT_MODEL_DIR
+    from vlkv.tools.calibrate_verifier import calibrate_verified, format_learned
+
+    from tests.calib_prompts import synthetic_prompts
+
+    prompts = synthetic_prompts(tmp_path, 3, seed=1)
+    path, profile, _ = calibrate_verified(
+        str(DEFAULT_MODEL_DIR), str(prompts), (0.05, 0.2), out=str(tmp_path / "learned.json"), progress=None
+    )
+    loaded = read_profile(path)
+    assert loaded.measure["kind"] == "verifier" and loaded.prompts["count"] == 3
+    assert [e.budget for e in loaded.entries] == [0.05, 0.2]
+    for budget in (0.05, 0.2):
+        rows = [r for r in loaded.table if r["budget"] == budget]
+        assert sum(r["prompts"] for r in rows) == 3 and all(0 <= r["agreement"] <= 1 for r in rows)
+        best = max(rows, key=lambda r: r["prompts"])
+        assert loaded.entry_for(budget).candidate in {
+            r["candidate"] for r in rows if r["prompts"] == best["prompts"]
+        }
+    assert "| 0.05 |" in format_learned(loaded)
+    model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
+    from vlkv.common.model.spec import ModelSpec
+
+    spec = ModelSpec.from_model(model, load_processor(str(DEFAULT_MODEL_DIR)).tokenizer)
+    loaded.check_model(spec.fingerprint)  # written for this model
+    served = PrefillEngine(model, spec, verify_config=VerifyConfig(learn_after=3), learned=loaded)
+    assert served.ledger.order(0.05)[1] and served.ledger.order(0.2)[1]

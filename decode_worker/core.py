@@ -249,7 +249,10 @@ class DecodeCore:
             seq.attn_mass = grown
         seq.attn_mass[:, :width] += step_mass
         window = self.decode_window
+        sliding = self.runner.windows if self.runner is not None else ()
         for layer, n in enumerate(seq.lengths):
+            if sliding and sliding[layer]:  # a sliding layer's cache stays a run of its last positions
+                continue
             target = recompress_target(
                 seq.prompt_lengths[layer], n, self.decode_budget, window, self.blocks.block_size
             )

@@ -2,8 +2,9 @@
 
 Each sequence feeds one token at its own position (continuing from its original prompt length m, not from
 its compact cache length), and every layer attends to that sequence's blocks through the paged decode
-attention kernel. The model's own modules run the step; only the attention function is vlkv's
-(``common/model/attention.py``).
+attention kernel. The model's own modules run the step (its embedding, rotary embeddings as its family takes
+them, ``common/model/families.py``, its layers and norm); only the attention function is vlkv's
+(``common/model/attention.py``), and it masks a sliding-window layer to the last ``W`` entries of its cache.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from vlkv.common.handoff.quantize import quantize_k_with, quantize_v
 from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.common.model.families import family_of
 from vlkv.common.model.loading import language_model
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.kernels.paged_decode import paged_decode_attention
@@ -45,8 +47,10 @@ class PagedBatch:
         lengths: torch.Tensor,
         mass: torch.Tensor | None = None,
         rows: int = 0,
+        windows: tuple[int, ...] = (),
     ) -> None:
         self.cache = cache
+        self.windows = windows  # per layer its sliding window (0 or (): none)
         self.tables = tables
         self.lengths = lengths
         self.mass = mass
@@ -100,6 +104,7 @@ class PagedBatch:
             v_scale=self.cache.v_scale,
             kv_format="fp8" if self.cache.kv_dtype == "fp8" else "int8",  # read only by 8-bit pools
             mass_out=None if self.mass is None else self.mass[seqs, layer_idx],
+            window=self.windows[layer_idx] if self.windows else 0,
         )
 
 
@@ -122,6 +127,9 @@ class ModelRunner:
         use_vlkv_attention(model)
         self.model = model
         self.lm = language_model(model)
+        self.family = family_of(self.lm.config)  # ConfigError for a decoder vlkv cannot step
+        windows = self.family.windows(self.lm.config)
+        self.windows = windows if any(windows) else ()
         self.cache = cache
         self.device = cache.device
         self.batch_invariant = batch_invariant
@@ -167,13 +175,15 @@ class ModelRunner:
         )
         width = max_blocks * self.cache.block_size
         masses = torch.zeros(len(batch), num_layers, width, device=self.device) if mass else None
-        paged = PagedBatch(self.cache, tables.to(self.device), lengths.to(self.device), masses, rows)
+        paged = PagedBatch(
+            self.cache, tables.to(self.device), lengths.to(self.device), masses, rows, self.windows
+        )
         pad = [(0, 0)] * (rows - len(batch)) if rows else []  # token 0 at position 0: written nowhere
         tokens = torch.tensor([[s.token] for s in batch] + [[t] for t, _ in pad], device=self.device)
         positions = torch.tensor([[s.position] for s in batch] + [[p] for _, p in pad], device=self.device)
         hidden = self.lm.embed_tokens(tokens)
-        position_embeddings = self.lm.rotary_emb(hidden, position_ids=positions)
-        for layer in self.lm.layers[:num_layers]:
+        rope = self.family.position_embeddings(self.lm, hidden, positions)
+        for layer, position_embeddings in zip(self.lm.layers[:num_layers], rope, strict=False):
             hidden = layer(
                 hidden,
                 attention_mask=None,

@@ -92,11 +92,11 @@ def _load_q(
 
 # Arguments that vary from one decode step to the next (table width, split count, which group size) are not
 # specialized on their values, so one program serves every step of a deployment: see kernels/specs.py.
-@triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ms", "stride_mh", "GROUP"])
+@triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ms", "stride_mh", "GROUP", "window"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
     ks_ptr, vs_ptr, lut_ptr,
-    scale, D, split_tokens,
+    scale, D, split_tokens, window,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -107,7 +107,7 @@ def _split_kernel(
     stride_as, stride_ah, stride_ap, stride_ad,
     GROUP, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -126,11 +126,19 @@ def _split_kernel(
     v_base = v_ptr + kv_head * stride_vh
 
     start = split * split_tokens
-    end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
+    if (
+        WINDOWED
+    ):  # a sliding layer reads its last `window` tokens only (a constexpr: other layers' code as before)
+        length = tl.load(lengths_ptr + seq)
+        end = tl.minimum(length, start + split_tokens)
+        lo = tl.maximum(start, length - window)
+    else:
+        end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
+        lo = start
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
         # Block ids in int64: a large pool's element offsets overflow int32.
@@ -146,7 +154,8 @@ def _split_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(tok_ok[None, :], s, float("-inf"))
-        # The first tile holds token `start` < end, so m_new is finite from the first iteration on.
+        # The first tile holds token `lo` < end, so m_new is finite from the first iteration on (a split
+        # wholly before the window, or past the end, runs no tile and writes (-inf, 0, 0)).
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -205,10 +214,10 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-@triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ws", "stride_wh", "GROUP"])
+@triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ws", "stride_wh", "GROUP", "window"])
 def _mass_kernel(
     q_ptr, k_ptr, tables_ptr, lengths_ptr, m_ptr, l_ptr, ks_ptr, mass_ptr, lut_ptr,
-    scale, D, split_tokens,
+    scale, D, split_tokens, window,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_ksb, stride_ksh, stride_ksd,
@@ -217,7 +226,7 @@ def _mass_kernel(
     stride_ws, stride_wh, stride_wt,
     GROUP, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     """Per-token attention mass of one KV head's G query heads over one split: ``exp(s - M) / L`` with
     the global max M and sum-exp L of each head (from the split kernel's partials), summed over the G
@@ -239,8 +248,14 @@ def _mass_kernel(
     inv_l = 1.0 / tl.load(l_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=1.0)
     k_base = k_ptr + kv_head * stride_kh
     start = split * split_tokens
-    end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
-    for n0 in range(start, end, BLOCK_N):
+    if WINDOWED:
+        length = tl.load(lengths_ptr + seq)
+        end = tl.minimum(length, start + split_tokens)
+        lo = tl.maximum(start, length - window)
+    else:
+        end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
+        lo = start
+    for n0 in range(lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
         block = tl.load(table + (offs_n // PAGE) * stride_tb, mask=tok_ok, other=0).to(tl.int64)
@@ -292,6 +307,7 @@ def paged_decode_attention(
     v_scale: Tensor | None = None,
     mass_out: Tensor | None = None,
     kv_format: str = "int8",
+    window: int = 0,
 ) -> Tensor:
     """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
 
@@ -304,8 +320,11 @@ def paged_decode_attention(
     ``validate``: check lengths and the needed block ids (a device sync; off in a hot loop).
     ``k_scale``, ``v_scale``: an 8-bit pool's scales, ``kv_format`` what its bytes encode (``int8`` steps
     or ``fp8`` E4M3 patterns); ``mass_out`` ``[S, >= max_length]`` fp32: each token's
-    attention probability summed over all query heads is added in place (``_mass_kernel``).
+    attention probability summed over all query heads is added in place (``_mass_kernel``). ``window`` > 0:
+    each sequence attends to its last ``window`` tokens only (a sliding-window layer; see the reference).
     """
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     n_seq, n_heads, dim, n_blocks, n_kv, page = check_paged_inputs(
         q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale
     )
@@ -316,7 +335,7 @@ def paged_decode_attention(
             raise ValueError("out= is only supported on the Triton path")
         return paged_decode_reference(
             q, k_pool, v_pool, block_tables, lengths, scale=scale, validate=False,
-            k_scale=k_scale, v_scale=v_scale, mass_out=mass_out, kv_format=kv_format,
+            k_scale=k_scale, v_scale=v_scale, mass_out=mass_out, kv_format=kv_format, window=window,
         )  # fmt: skip
     _check_triton_device(q, _split_kernel)
     fp8 = k_scale is not None and check_kv_format(kv_format) == "fp8"
@@ -361,14 +380,15 @@ def paged_decode_attention(
     # Triton build a separate program for each value it specializes on (1, multiples of 16, others).
     ks_strides, vs_strides = (ks.stride(), vs.stride()) if quant else ((0, 0, 0), (0, 0, 0))
     fp32 = q.dtype == torch.float32 or upcast or (quant and not q.is_cuda)
+    reach = window if window > 0 else max_length  # no window: every token from 0 on
     _split_kernel[(n_seq, n_kv, splits)](
         q, k_pool, v_pool, block_tables, lengths, m_part, l_part, acc_part, ks, vs, lut,
-        scale, dim, split_tokens,
+        scale, dim, split_tokens, reach,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *ks_strides, *vs_strides,
         *block_tables.stride(), *m_strides, *a_strides,
         GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
         BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8,
+        PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8, WINDOWED=window > 0,
     )  # fmt: skip
     _combine_kernel[(n_seq, n_heads)](
         m_part, l_part, acc_part, out, splits, dim, *m_strides, *a_strides, *out.stride(),
@@ -377,17 +397,17 @@ def paged_decode_attention(
     if mass_out is not None:
         if mass_out.shape[0] != n_seq or mass_out.shape[1] < max_length:
             raise ValueError(f"mass_out must be [S={n_seq}, >= {max_length}]")
-        m_glob = m_part.amax(dim=2)  # split 0 always holds token 0: finite
+        m_glob = m_part.amax(dim=2)  # the last split holds the newest token: finite
         l_glob = (l_part * torch.exp(m_part - m_glob.unsqueeze(-1))).sum(dim=2)
         per_head = q.new_zeros((n_seq, n_kv, max_length), dtype=torch.float32)
         _mass_kernel[(n_seq, n_kv, splits)](
             q, k_pool, block_tables, lengths, m_glob, l_glob, ks, per_head, lut,
-            scale, dim, split_tokens,
+            scale, dim, split_tokens, reach,
             *q.stride(), *k_pool.stride(), *ks_strides, *block_tables.stride(), *m_glob.stride(),
             *per_head.stride(),
             GROUP=n_heads // n_kv, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv)),
             BLOCK_N=block_n, BLOCK_D=block_d,
-            PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8,
+            PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, QUANT=quant, FP8=fp8, WINDOWED=window > 0,
         )  # fmt: skip
         mass_out.narrow(1, 0, max_length).add_(per_head.sum(dim=1))
     return out

@@ -10,6 +10,9 @@ Shapes (S sequences, H query heads, H_kv KV heads, G = H // H_kv, P tokens per b
 
 Output ``[S, H, D]`` in ``q``'s dtype: ``softmax(scale * q k^T) v`` over each sequence's valid tokens.
 
+``window`` ``W`` > 0 (a sliding-window layer, whose cache is a run of consecutive positions ending at the
+new token): only each sequence's last ``W`` valid tokens are attended (``lengths - W .. lengths - 1``).
+
 int8 pools (``--kv-dtype int8``, KIVI): ``k_pool``/``v_pool`` are int8 and come with ``k_scale``
 ``[num_blocks, H_kv, D]`` (per channel; every block of one sequence's layer holds the same scales) and
 ``v_scale`` ``[num_blocks, H_kv, P]`` (per token), fp16. Dequantization is folded into the products:
@@ -181,6 +184,7 @@ def paged_decode_reference(
     v_scale: Tensor | None = None,
     mass_out: Tensor | None = None,
     kv_format: str = "int8",
+    window: int = 0,
 ) -> Tensor:
     """Decode attention of ``q`` ``[S, H, D]`` over paged K/V; returns ``[S, H, D]`` in ``q.dtype``.
 
@@ -213,8 +217,11 @@ def paged_decode_reference(
         c, n_blk = stop - start, n_tok // page
         idx, ln = order[start:stop], lens[start:stop]
         table = block_tables[idx, :n_blk].long()
-        pad = torch.arange(n_tok, device=q.device) >= ln[:, None]  # [c, n_tok]
-        table.masked_fill_(pad[:, ::page], 0)  # blocks no token of the sequence needs
+        tok = torch.arange(n_tok, device=q.device)
+        pad = tok >= ln[:, None]  # [c, n_tok]
+        if window > 0:  # a sliding layer: tokens before its last `window` are out of reach
+            pad |= tok < (ln - window)[:, None]
+        table.masked_fill_(pad.view(c, n_blk, page).all(-1), 0)  # blocks no token of the sequence needs
         kk, vv = _gather(k_pool, table, "k"), _gather(v_pool, table, "v")
         if fp8:  # a 256-entry table gather: ~3x faster on CPU than torch's float8 -> fp32 conversion
             kk, vv = _decode_fp8(kk, "kf"), _decode_fp8(vv, "vf")

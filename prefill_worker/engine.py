@@ -25,6 +25,7 @@ from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.compression.verify import VerifyConfig, VerifyPlan
+from vlkv.common.compression.windows import binding_windows
 from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
@@ -148,8 +149,10 @@ class PrefillEngine:
     def forward(self, req: PreparedRequest, observer=None) -> tuple[torch.Tensor, list, list]:
         """The whole prompt through the model: last-position logits ``[vocab]`` (fp32) and every layer's
         post-RoPE keys and values ``[H_kv, m, D]``. ``observer.observe(layer, q, k, scaling)`` sees each
-        layer's Q and K on the way (statistics, or a recorder in the evaluation)."""
-        cache = DynamicCache(config=self.model.config.text_config)
+        layer's Q and K on the way (statistics, or a recorder in the evaluation). Every layer's whole prompt,
+        sliding-window layers' too (the model's own cache would keep only their window: ``Policy.compress``
+        cuts them, with the request's budget, by ``spec.windows``)."""
+        cache = DynamicCache()  # no config: no sliding layers; the model's masks still apply its windows
         kwargs = {k: v.to(self.device) for k, v in req.model_inputs.items()}
         if "pixel_values" in kwargs:
             kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
@@ -209,6 +212,7 @@ class PrefillEngine:
         m, tau = req.modality.m, req.modality.tau
         question = prompt_question(req.input_ids, tau >= m, self.spec.turns)
         compression = req.compression
+        windows = binding_windows(self.spec.windows, m, req.sampling.max_new_tokens)
         candidates, learned, label = self._verify_candidates(compression.budget, compression.explicit)
         reads = [c.policy.query_start(m, tau, question) for c in candidates if c.policy.requires_stats]
         collector = StatsByRows(reads, compression.threshold) if reads else None
@@ -234,7 +238,15 @@ class PrefillEngine:
                     drafted[(q0, rows)] = with_draft(base, extra, rows) if rows else base
                 stats = drafted[(q0, rows)]
             return policy.compress(
-                stats, keys, values, alpha=budget, m=m, tau=tau, first_token=first, question=question
+                stats,
+                keys,
+                values,
+                alpha=budget,
+                m=m,
+                tau=tau,
+                first_token=first,
+                question=question,
+                windows=windows,
             )
 
         ckv, verdict = verify(self.model, candidates, plan, compression.budget, compress, draft, learned)
@@ -263,6 +275,7 @@ class PrefillEngine:
         m, tau = req.modality.m, req.modality.tau
         question = prompt_question(req.input_ids, tau >= m, self.spec.turns)
         compression, sampling = req.compression, req.sampling
+        windows = binding_windows(self.spec.windows, m, sampling.max_new_tokens)
         profiled = self.profile is not None and not compression.explicit and compression.budget < 1.0
         policy = self.profile.policy_for(compression.budget) if profiled else compression.build_policy()
         full = policy.is_full(compression.budget)  # the one definition (Policy.is_full), on the built policy
@@ -292,6 +305,7 @@ class PrefillEngine:
                 tau=tau,
                 first_token=first,
                 question=question,
+                windows=windows,
             )
         name = "full" if full else policy.name
         label = self.profile.label if profiled else ""

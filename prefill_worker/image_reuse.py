@@ -202,7 +202,7 @@ class ImageReuser:
         if features:
             mask = (ids == self.spec.image_token_id)[..., None].expand_as(embeds)
             embeds = embeds.masked_scatter(mask, torch.cat(features).to(embeds.dtype))
-        cache = DynamicCache(config=self.model.config.text_config)
+        cache = DynamicCache()  # every layer's whole prompt, as ``PrefillEngine.forward``
         out = self.model(
             inputs_embeds=embeds,
             **cache_arg(self.model, cache),

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.common.model.families import family_of
 from vlkv.common.model.loading import language_model
 
 
@@ -34,7 +35,8 @@ class _Forced:
     count, each padded to its own longest (a layer of a 10% cache can keep 30x the tokens of a 2% one:
     padded to one length, most of the work was on padding)."""
 
-    def __init__(self, caches: list[CompactKV], groups: int = 4) -> None:
+    def __init__(self, caches: list[CompactKV], groups: int = 4, windows: tuple[int, ...] = ()) -> None:
+        self.windows = windows  # per layer its sliding window (such a layer's prefix: its last positions)
         self.dtype = caches[0].keys[0].dtype  # the pool's: the forced tokens' K/V are rounded to it
         self.prefix: list[list[tuple]] = []
         for layer in range(len(caches[0].keys)):
@@ -69,17 +71,35 @@ class _Forced:
         # fp32 throughout, as the decode step's paged attention computes (new K/V rounded to the pool's dtype)
         kn, vn = kn.to(self.dtype).float(), vn.to(self.dtype).float()
         q = (query.float() * scaling).reshape(b, hkv, (h // hkv) * t, d)
-        causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(h // hkv, 1)
+        window = self.windows[layer_idx] if self.windows else 0
+        rows = torch.arange(t, device=query.device)
+        causal = rows[None, :] <= rows[:, None]
+        if window > 0:  # forced token g reads the forced tokens after g - W
+            causal &= rows[None, :] > rows[:, None] - window
+        causal = causal.repeat(h // hkv, 1)
         out = torch.empty_like(q)
         for idx, k0, v0, keep in self.prefix[layer_idx]:
             qi, kni, vni = q[idx], kn[idx], vn[idx]
             prefix = torch.matmul(qi, k0.transpose(2, 3))  # [b, Hkv, group * T, L]
-            prefix.masked_fill_(~keep[:, None, None, :], float("-inf"))
+            prefix.masked_fill_(~self._visible(keep, window, t, h // hkv), float("-inf"))
             own = torch.matmul(qi, kni.transpose(2, 3)).masked_fill_(~causal, float("-inf"))
             probs = torch.softmax(torch.cat([prefix, own], -1), dim=-1)
             length = k0.shape[2]
             out[idx] = torch.matmul(probs[..., :length], v0) + torch.matmul(probs[..., length:], vni)
         return out.reshape(b, h, t, d).to(query.dtype).transpose(1, 2)
+
+    @staticmethod
+    def _visible(keep: torch.Tensor, window: int, t: int, group: int) -> torch.Tensor:
+        """``[b, 1, group * T or 1, L]``: which kept prefix entries each forced row reads. A sliding layer's
+        ``n`` kept entries are its last prompt positions, so forced token ``g`` (at ``m + g``) reads entry ``j``
+        when ``j > n + g - W`` (the query at ``p`` reads keys after ``p - W``)."""
+        if window <= 0:
+            return keep[:, None, None, :]
+        n = keep.sum(-1)  # [b]
+        j = torch.arange(keep.shape[-1], device=keep.device)
+        g = torch.arange(t, device=keep.device)
+        seen = keep[:, None, :] & (j[None, None, :] > (n[:, None, None] + g[None, :, None] - window))
+        return seen.repeat(1, group, 1)[:, None]  # rows are (query head of the group, forced token)
 
 
 @torch.inference_mode()
@@ -94,19 +114,21 @@ def forced_logprobs(
     t = max(len(x) for x in tokens)
     ids = torch.tensor([x + [x[-1]] * (t - len(x)) for x in tokens])  # padding after a row's end is unseen
     positions = torch.tensor([c.prompt_length for c in caches])[:, None] + torch.arange(t)
-    forced = _Forced(caches, groups)
+    family = family_of(lm.config)
+    windows = family.windows(lm.config)
+    forced = _Forced(caches, groups, windows if any(windows) else ())
     hidden = lm.embed_tokens(ids)
     layers = lm.layers[: len(caches[0].keys)]
     step = {  # what the decode step passes every layer, with this forward's object as cache and hook
         "attention_mask": None,
         "position_ids": positions,
-        "position_embeddings": lm.rotary_emb(hidden, position_ids=positions),
         "use_cache": True,
         "vlkv_decode": forced,
         **cache_arg(layers[0], forced),
     }
-    for layer in layers:
-        hidden = layer(hidden, **step)
+    rope = family.position_embeddings(lm, hidden, positions)
+    for layer, position_embeddings in zip(layers, rope, strict=False):
+        hidden = layer(hidden, position_embeddings=position_embeddings, **step)
     hidden = lm.norm(hidden)
     for at in range(0, len(caches), rows_per_head):
         logq = torch.log_softmax(model.lm_head(hidden[at : at + rows_per_head]).float(), -1)

@@ -34,6 +34,7 @@ from .selection import (
 )
 from .serialize import fields_to_dict
 from .stats import AttentionStatsLike, kept_prompt_scores, num_query_rows, validate_stats
+from .windows import fit_windows
 
 MAX_LOOKAHEAD = 64  # draft tokens a prefill may decode (each is one decode step over the full cache)
 
@@ -372,12 +373,15 @@ class Policy:
         m: int,
         tau: int,
         question: int = 0,
+        windows: Sequence[int] = (),
     ) -> list[torch.Tensor]:
         """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``.
 
         Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``. A text-only prompt goes
         to ``text_preset``'s policy when set, and at a budget below ``low_budget_below`` to
-        ``low_budget_preset``'s. ``question``: as for ``query_start``.
+        ``low_budget_preset``'s. ``question``: as for ``query_start``. ``windows``: per layer its sliding
+        window (0: none; ``windows.fit_windows``): a sliding layer keeps at most its reach, its last positions
+        without scores, and the rest of its budget goes to the other layers.
         """
         policy = self.for_prompt(m, tau, alpha)
         if policy is not self:
@@ -389,6 +393,7 @@ class Policy:
                 m=m,
                 tau=tau,
                 question=question,
+                windows=windows,
             )
         num_layers = len(keys_per_layer)
         if len(values_per_layer) != num_layers:
@@ -402,10 +407,10 @@ class Policy:
                 raise ValueError(f"layer {i}: keys {tuple(keys.shape)} are not [H_kv, m={m}, D]")
             if stats is not None:
                 validate_stats(stats[i], m, q0, i)
-        budgets = self.allocate(stats, alpha, m, num_layers)
+        budgets, tails = fit_windows(self.allocate(stats, alpha, m, num_layers), windows, m)
         scores: dict[int, torch.Tensor] = {}
         for i, (k_l, keys, values) in enumerate(zip(budgets, keys_per_layer, values_per_layer, strict=True)):
-            if k_l < m:
+            if k_l < m and not tails[i]:
                 layer_stats = None if stats is None else stats[i]
                 scores[i] = self.score(i, layer_stats, keys, values, m, tau)
                 if scores[i].shape != (keys.shape[0], m):
@@ -414,8 +419,8 @@ class Policy:
             scores = share_layers(scores, self.layer_share, self.sink_tokens)
         kept = []
         for i, (k_l, keys) in enumerate(zip(budgets, keys_per_layer, strict=True)):
-            if k_l >= m:
-                kept.append(torch.arange(m, device=keys.device).repeat(keys.shape[0], 1))
+            if tails[i] or k_l >= m:  # a sliding layer's last k_l positions (all m: the whole prompt)
+                kept.append(torch.arange(m - k_l, m, device=keys.device).repeat(keys.shape[0], 1))
             else:
                 kept.append(self.select(scores[i].to(keys.device), k_l, tau, layer=i))
         return kept
@@ -431,16 +436,25 @@ class Policy:
         tau: int,
         first_token: int = 0,
         question: int = 0,
+        windows: Sequence[int] = (),
     ) -> CompactKV:
         """Compress one sequence's cache. keys/values per layer: ``[H_kv, m, D]`` (post-RoPE).
 
         With attention statistics, ``prompt_scores`` holds each kept position's attention per covered query
         row (``stats.kept_prompt_scores``). Layers whose budget is m are passed through untouched (the same
         tensors, made contiguous if they are not), so ``alpha >= 1`` and the ``full`` policy return the cache
-        bitwise unchanged. ``question``: as for ``query_start``.
+        bitwise unchanged (but a sliding layer, cut to its last positions: ``plan``'s ``windows``). ``question``: as for
+        ``query_start``.
         """
         kept = self.plan(
-            stats_per_layer, keys_per_layer, values_per_layer, alpha=alpha, m=m, tau=tau, question=question
+            stats_per_layer,
+            keys_per_layer,
+            values_per_layer,
+            alpha=alpha,
+            m=m,
+            tau=tau,
+            question=question,
+            windows=windows,
         )
         scores = None
         active = self.for_prompt(m, tau, alpha)

@@ -15,8 +15,9 @@ from transformers import DynamicCache
 
 def prompt_cache(model, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
     """A ``DynamicCache`` for ``model``'s text decoder with layer ``l`` holding ``keys[l]``/``values[l]``
-    (``[H_kv, m, D]``) as a batch of one."""
-    cache = DynamicCache(config=model.config.text_config)
+    (``[H_kv, m, D]``) as a batch of one. Every layer keeps every token, a sliding-window layer's too (the
+    model's masks still limit what it reads), so each layer's keys stay ``[H_kv, m + steps, D]``."""
+    cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         cache.update(k[None], v[None], layer)
     return cache

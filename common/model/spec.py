@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from .families import sliding_windows
 from .question import TurnLayout
 
 # Elements sampled per parameter by ``model_fingerprint`` (evenly strided, plus the tensor's last element).
@@ -38,6 +39,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     fingerprint: str = ""  # empty when built without weights (the gateway)
     turns: TurnLayout | None = None  # where a prompt's final question starts (``question.py``; workers only)
+    windows: tuple[int, ...] = ()  # per layer its sliding window W, 0: none (``families.py``); (): no layer
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -53,8 +55,10 @@ class ModelSpec:
     def from_config(
         cls, config, dtype: torch.dtype, eos_token_ids: list[int] | tuple[int, ...], fingerprint: str = ""
     ) -> ModelSpec:
-        """From a LLaVA-family HF config (``config.text_config`` is the decoder)."""
+        """From a LLaVA-family HF config (``config.text_config`` is the decoder); ConfigError for a decoder
+        family vlkv cannot serve (``families.family_of``)."""
         text = text_config(config)
+        windows = sliding_windows(text)
         heads = int(text.num_attention_heads)
         return cls(
             num_layers=int(text.num_hidden_layers),
@@ -69,6 +73,7 @@ class ModelSpec:
             ),
             eos_token_ids=tuple(eos_token_ids),
             fingerprint=fingerprint,
+            windows=windows if any(windows) else (),
         )
 
     @classmethod

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import grpc
 from vlkv.common.compression.registry import DEFAULT_POLICY
+from vlkv.common.compression.verify import VerifyConfig
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
@@ -196,6 +197,9 @@ def run_api_check(args) -> int:
         model=ModelConfig(path=target.model_dir, dtype=target.dtype),
         pool=PoolConfig(batch_invariant=batch_invariant),
         compression_profile=profile_path or "none",
+        verify=VerifyConfig(
+            mode="off"
+        ),  # the fixed settings are checked: a request naming none is not verified
     )
     runs = _runs(args, profile)
     # another model's profile or a bad file: refused here as `vlkv serve` refuses it, before any prefill

@@ -98,17 +98,19 @@ def verify(
         raise ValueError("verification needs at least one candidate")
     b, raises, verified = budget, 0, 0
     while True:
-        caches = [compress(c.policy, b) for c in candidates]
-        if learned and plan.mode == "floor" and len(caches) > 1:
-            first = _score(model, caches[:1], draft)
+        if learned and plan.mode == "floor" and len(candidates) > 1:  # the others compressed only if needed
+            head = [compress(candidates[0].policy, b)]
+            first = _score(model, head, draft)
             verified += 1
             if first[0][0] >= plan.floor:
-                scored = [(0, caches[0], first[0])]
+                scored = [(0, head[0], first[0])]
             else:
+                caches = head + [compress(c.policy, b) for c in candidates[1:]]
                 rest = _score(model, caches[1:], draft)
                 verified += len(rest)
                 scored = list(zip(range(len(caches)), caches, first + rest, strict=True))
         else:
+            caches = [compress(c.policy, b) for c in candidates]
             scores = _score(model, caches, draft)
             verified += len(scores)
             scored = list(zip(range(len(caches)), caches, scores, strict=True))

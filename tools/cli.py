@@ -503,6 +503,15 @@ def cmd_calibrate(args) -> int:
     from vlkv.tools.pool import WorkerFailed
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    if args.verifier:
+        from vlkv.tools.calibrate_verifier import calibrate_verified, format_learned
+
+        path, profile, seconds = calibrate_verified(
+            args.model, args.prompts, budgets, args.out, args.dtype, args.max_prompts
+        )
+        print(format_learned(profile))
+        print(f"\nwrote {path} ({profile.label}) in {seconds:.0f} s: serve it with --learned-profile {path}")
+        return 0
     try:
         path, profile, seconds = calibrate(
             args.model,
@@ -573,6 +582,11 @@ def cmd_bench(args) -> int:
         args.out = Path(args.out if args.out != "out/bench" else "out/bench_handoff")
         handoff_latency.main(args)
         return 0
+    if args.what == "verify-cost":
+        from vlkv.tools.bench import verify_cost
+
+        args.out = args.out if args.out != "out/bench" else "out/bench_verify_cost"
+        return verify_cost.main(args)
     from vlkv.tools.bench.compare_systems import run_bench
 
     return run_bench(args)
@@ -648,7 +662,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmark report: vlkv (vlcache, full) against a Hugging Face server")
     p.add_argument(
         "what",
-        choices=["all", "image-reuse", "capacity", "kernels", "gpu", "handoff-latency", "soak", "kvpress"],
+        choices=[
+            "all",
+            "image-reuse",
+            "capacity",
+            "kernels",
+            "gpu",
+            "handoff-latency",
+            "soak",
+            "kvpress",
+            "verify-cost",
+        ],
         help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
         "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
         "fp16 decode speed -> out/bench_capacity; kernels: the Triton kernels (CUDA) or their references "
@@ -684,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
     from vlkv.tools.bench.kvpress_text import add_args as add_kvpress_args
 
     add_kvpress_args(p)
+    from vlkv.tools.bench.verify_cost import add_args as add_verify_cost_args
+
+    add_verify_cost_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("kernels", help="ahead-of-time checks of the Triton kernels (no GPU needed)")
@@ -716,6 +743,12 @@ def main(argv: list[str] | None = None) -> int:
         "answer ends sooner at its end token)",
     )
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument(
+        "--verifier",
+        action="store_true",
+        help="run the served verifier (its candidates, the 16-token draft) over the prompts instead of the "
+        "grid, and write its learned profile (default <model>/learned_profile.json) for --learned-profile",
+    )
     p.add_argument(
         "--screen",
         type=int,

@@ -25,7 +25,7 @@ from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.profile import CompressionProfile
 from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.compression.verify import VerifyConfig, VerifyPlan
-from vlkv.common.compression.windows import binding_windows
+from vlkv.common.compression.windows import binding_windows, window_cut_tokens
 from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
@@ -56,6 +56,13 @@ class PrefillResult:
     verdict: Verdict | None = None  # what verification did (None: not verified)
     draft_ms: float = 0.0  # of prefill_ms: the greedy draft over the full cache (lookahead or verification)
     verify_ms: float = 0.0  # of prefill_ms: the candidates' compression and teacher forcing (verification)
+    window_saved_bytes: int = 0  # full-cache bytes the binding sliding windows never keep
+
+
+def _window_saved(windows, m: int, ckv: CompactKV) -> int:
+    """Bytes (K and V, the model's dtype) of the token-layers the binding windows cut from the full cache."""
+    per_token = ckv.num_kv_heads * ckv.head_dim * ckv.dtype.itemsize * 2
+    return window_cut_tokens(windows, m) * per_token
 
 
 class StatsCollector:
@@ -256,7 +263,8 @@ class PrefillEngine:
         name = "full" if kept.policy.is_full(verdict.budget) else kept.policy.name
         ms = (time.perf_counter() - start) * 1000
         draft_ms, verify_ms = (t_verify - t_draft) * 1000, (t_end - t_verify) * 1000
-        return PrefillResult(ckv, req.modality, name, ms, reuse, label, verdict, draft_ms, verify_ms)
+        saved = _window_saved(windows, m, ckv)
+        return PrefillResult(ckv, req.modality, name, ms, reuse, label, verdict, draft_ms, verify_ms, saved)
 
     def _count(self, budget: float, verdict: Verdict, policy) -> None:
         """Count the outcome; every ``learn_after`` verified requests, write the learned profile."""
@@ -310,4 +318,7 @@ class PrefillEngine:
         name = "full" if full else policy.name
         label = self.profile.label if profiled else ""
         ms = (time.perf_counter() - start) * 1000
-        return PrefillResult(ckv, req.modality, name, ms, reuse, label, draft_ms=draft_ms)
+        saved = _window_saved(windows, m, ckv)
+        return PrefillResult(
+            ckv, req.modality, name, ms, reuse, label, draft_ms=draft_ms, window_saved_bytes=saved
+        )

@@ -69,6 +69,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.draining = False
         self.running = 0
         self.waiting = 0
+        self.window_saved = 0  # bytes sliding windows kept out of this worker's caches since it started
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-prefill")
         self.peers = DecodePeers(cfg, nixl)
         self.load_stream = LoadStream()
@@ -132,6 +133,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             recomputed_image_tokens=result.reuse.recomputed_tokens if result.reuse else 0,
             recompute_ratio=result.reuse.ratio if result.reuse and result.reuse.hit else 1.0,
             compression_profile=result.profile,
+            kv_bytes_window_saved=result.window_saved_bytes,
             **verdict_fields(result.verdict),
         )
 
@@ -139,6 +141,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.running += 1
         try:
             result = self.engine.run(*args)
+            self.window_saved += result.window_saved_bytes
             result.cache = quantize_compact(result.cache, self.cfg.transfer.kv_dtype)  # --kv-dtype
             return result
         finally:
@@ -154,6 +157,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             image_cache=cache_stats_proto(self.image_cache, self.engine.hint_mismatches),
             compression_profile=self.engine.profile.label if self.engine.profile else "",
             verifier=worker_pb2.VerifierStats(**self.engine.ledger.snapshot()),
+            kv_bytes_window_saved=self.window_saved,
         )
 
     async def GetLoad(self, request, context):

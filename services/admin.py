@@ -38,6 +38,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         kv_dtype=w.load.kv_dtype,
                         block_bytes=w.load.block_bytes,
                         compression_profile=w.load.compression_profile,
+                        kv_bytes_window_saved=w.load.kv_bytes_window_saved,
                     )
                 )
                 if kind == "prefill" and w.load.HasField("image_cache"):

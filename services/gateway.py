@@ -308,6 +308,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.compression.observe(usage.compression_ratio)
                     self.metrics.record_verdict(usage, prefill_req.compression.budget or DEFAULT_BUDGET)
                     self.metrics.kv_bytes.inc(usage.kv_bytes_kept)
+                    self.metrics.window_saved.inc(usage.kv_bytes_window_saved)
                 yield resp
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             failure = _prefill_failure(prefill_task)
@@ -381,11 +382,11 @@ async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Futu
     usage.recomputed_image_tokens = reply.recomputed_image_tokens
     usage.recompute_ratio = reply.recompute_ratio
     usage.compression_profile = reply.compression_profile
-    for name in VERIFY_USAGE_FIELDS:
+    for name in PREFILL_USAGE_FIELDS:
         setattr(usage, name, getattr(reply, name))
 
 
-VERIFY_USAGE_FIELDS = (
+PREFILL_USAGE_FIELDS = (
     "verify",
     "verified_candidate",
     "verified_agreement",
@@ -394,6 +395,7 @@ VERIFY_USAGE_FIELDS = (
     "floor_met",
     "verified_budget",
     "draft_tokens",
+    "kv_bytes_window_saved",
 )
 
 

@@ -69,6 +69,9 @@ class GatewayMetrics:
         self.candidate_wins = Counter(
             "vlkv_candidate_wins", "verified requests by the candidate kept", ["candidate"], registry=r
         )
+        self.window_saved = Counter(
+            "vlkv_kv_bytes_window_saved", "full-cache bytes sliding-window layers never kept", registry=r
+        )
         self.hand_off_retries = Counter(
             "vlkv_hand_off_retries",
             "caches a decode worker refused for room, sent again elsewhere",

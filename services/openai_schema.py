@@ -352,6 +352,7 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "recomputed_image_tokens": u.recomputed_image_tokens,
             "recompute_ratio": round(u.recompute_ratio, 6),
             "compression_profile": u.compression_profile,
+            "kv_bytes_window_saved": u.kv_bytes_window_saved,
             "verification": None
             if not u.verify
             else {

@@ -75,6 +75,21 @@ def test_full_cache_sliding_layers_keep_only_their_window(cluster):
     usage = generate(cluster.stub, req, timeout=60).finished.usage
     m = usage.prompt_tokens
     assert list(usage.layer_budgets) == [min(m, w - 1) if w else m for w in windows]
+    # the bytes the windows kept out: every sliding layer's positions before its reach
+    per_token_layer = usage.kv_bytes_full // (len(windows) * m)
+    assert usage.kv_bytes_window_saved == per_token_layer * sum(m - min(m, w - 1) for w in windows if w)
+    assert usage.kv_bytes_kept + usage.kv_bytes_window_saved == usage.kv_bytes_full
+
+
+def test_a_verified_request_runs_its_candidates_on_every_family(cluster):
+    """No policy named: the verifier's candidates compress, are teacher-forced and one is handed over."""
+    windows = sliding_windows(cluster.model.config.text_config)
+    req = build_request(images=[random_png(5)], question=LONG, max_new_tokens=MAX_NEW, budget=0.1)
+    usage = generate(cluster.stub, req, timeout=60).finished.usage
+    assert usage.verify == "floor" and usage.verified_candidate and usage.draft_tokens > 0
+    assert usage.generated_tokens >= 1
+    for k, w in zip(usage.layer_budgets, windows, strict=True):
+        assert not w or k <= w - 1
 
 
 def _llava_config(text) -> LlavaConfig:

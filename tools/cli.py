@@ -485,6 +485,10 @@ def cmd_status(args) -> int:
     for w in st.workers:
         if w.kind == "prefill" and w.HasField("verifier") and w.verifier.verified:
             print(f"verification {w.address}: {format_verifier(w.verifier)}")
+        if w.kind == "prefill" and w.kv_bytes_window_saved:
+            print(
+                f"sliding windows {w.address}: {w.kv_bytes_window_saved / (1 << 20):.1f} MiB of full cache not kept"
+            )
     for address, c in caches:
         looked = c.hits + c.misses
         print(

@@ -29,6 +29,12 @@ def binding_windows(windows: Sequence[int], m: int, new_tokens: int) -> tuple[in
     return out if any(out) else ()
 
 
+def window_cut_tokens(windows: Sequence[int], m: int) -> int:
+    """Token-layers of an ``m``-token prompt the binding ``windows`` never keep (each sliding layer's positions
+    before its reach): what the windows save against every layer's whole prompt."""
+    return sum(m - prompt_reach(w, m) for w in windows if w > 0)
+
+
 def prompt_reach(window: int, m: int) -> int:
     """Prompt positions a layer with ``window`` (0: none) reads at the first decode step (the token at position
     ``m``): all ``m``, or its last ``W - 1``."""

@@ -205,6 +205,7 @@ class PrefillConfig:
     image_cache_mb: int = 256  # the image cache (reused image K/V, LRU); 0 = off
     verify: VerifyConfig = field(default_factory=VerifyConfig)  # verified compression's server defaults
     learned_profile: str = ""  # where the verifier's outcomes are written as a profile ("": not written)
+    concurrency: int = 1  # requests run at once; their drafts step as one batch (draft_batch.DraftBatcher)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +244,9 @@ class ServerConfig:
     # the file the prefill workers write their learned candidate order to ("": none; a restart loads it).
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     learned_profile: str = ""
+    # Requests each prefill worker runs at once (vlkv serve --prefill-concurrency); their greedy drafts (the
+    # verifier's reference, lookahead's queries) step as one batch. 1: one request at a time.
+    prefill_concurrency: int = 1
     # glibc's trim threshold in every worker (MiB): a thread arena's free top above it goes back to the OS
     # when a free reaches it; below it, it stays resident (malloc_trim never trims thread arenas' tops).
     # 4 MiB gives back what a burst of large inputs left (issue 33); a higher value keeps more memory and
@@ -254,6 +258,7 @@ class ServerConfig:
         _check(self.malloc_trim_mb >= 1, "malloc_trim_mb must be >= 1")
         _check(self.image_cache_mb >= 0, "image_cache_mb must be >= 0")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
+        _check(1 <= self.prefill_concurrency <= 64, "prefill_concurrency must be in [1, 64]")
         _check(self.keepalive_s == 0 or self.keepalive_s >= 0.5, "keepalive_s must be 0 (off) or >= 0.5")
         if not self.security.authenticates_workers:  # every deployment authenticates its worker ports
             self.security = replace(self.security, internal_token=draw_internal_token())
@@ -275,6 +280,7 @@ class ServerConfig:
             self.image_cache_mb,
             self.verify,
             self.learned_profile,
+            self.prefill_concurrency,
         )
 
     def decode(self) -> DecodeConfig:

@@ -114,3 +114,89 @@ def run_draft(
     draft_keys = [cache.layers[layer].keys[0] for layer in range(num_layers)]
     kept = torch.stack(logp) if logp else None
     return Draft(m, inputs, tokens, queries, draft_keys, rec.scale, kept)
+
+
+class _BatchRecorder:
+    """``vlkv_stats`` observer of a batched draft step: each layer's query rows ``[B, H, 1, D]``."""
+
+    def __init__(self) -> None:
+        self.q: dict[int, list[torch.Tensor]] = {}
+        self.scale = 1.0
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        self.q.setdefault(layer_idx, []).append(query.clone())
+        self.scale = scaling
+
+
+@torch.inference_mode()
+def run_drafts(model, prompts: list[tuple[list, list, int, int]], eos: Iterable[int], logprobs: bool = False):
+    """:func:`run_draft` for several prompts at once, one forward per step for all of them: ``prompts`` holds
+    ``(keys, values, first, steps)`` per prompt. Each prompt's full cache is left-padded to the longest
+    (masked), its new tokens take its own positions, and a prompt whose draft ended (its steps, or an end token)
+    rides along masked out of nothing but is cut from its result. One prompt: :func:`run_draft` itself."""
+    if len(prompts) == 1:
+        keys, values, first, steps = prompts[0]
+        return [run_draft(model, keys, values, first, steps, eos, logprobs)]
+    stop = set(eos)
+    lengths = [int(k[0].shape[1]) for k, _, _, _ in prompts]
+    longest, b = max(lengths), len(prompts)
+    num_layers = len(prompts[0][0])
+    device = prompts[0][0][0].device
+    padded_k, padded_v = [], []
+    for layer in range(num_layers):
+        ref = prompts[0][0][layer]
+        kk = ref.new_zeros((b, ref.shape[0], longest, ref.shape[2]))
+        vv = torch.zeros_like(kk)
+        for i, (keys, values, _, _) in enumerate(prompts):
+            kk[i, :, longest - lengths[i] :] = keys[layer]
+            vv[i, :, longest - lengths[i] :] = values[layer]
+        padded_k.append(kk)
+        padded_v.append(vv)
+    cache = prompt_cache(model, [k[0] for k in padded_k], [v[0] for v in padded_v])
+    for layer in range(num_layers):  # prompt_cache holds batches of one: put the whole batch in
+        cache.layers[layer].keys, cache.layers[layer].values = padded_k[layer], padded_v[layer]
+    mask = torch.zeros(b, longest, dtype=torch.long, device=device)
+    for i, m in enumerate(lengths):
+        mask[i, longest - m :] = 1
+    rec = _BatchRecorder()
+    tokens = torch.tensor([int(first) for _, _, first, _ in prompts], device=device)
+    budget = [steps for _, _, _, steps in prompts]
+    inputs: list[list[int]] = [[] for _ in prompts]
+    drafted: list[list[int]] = [[] for _ in prompts]
+    logp: list[list[torch.Tensor]] = [[] for _ in prompts]
+    live = [int(first) not in stop and s > 0 for (_, _, first, s) in prompts]
+    step = 0
+    while any(live):
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=tokens[:, None],
+            **cache_arg(model, cache),
+            use_cache=True,
+            attention_mask=mask,
+            position_ids=torch.tensor(lengths, device=device)[:, None] + step,
+            logits_to_keep=1,
+            vlkv_stats=rec,
+        )
+        logits = out.logits[:, -1].float()
+        nxt = logits.argmax(-1)
+        for i in range(b):
+            if not live[i]:
+                continue
+            inputs[i].append(int(tokens[i]))
+            drafted[i].append(int(nxt[i]))
+            if logprobs:
+                logp[i].append(torch.log_softmax(logits[i], -1))
+            live[i] = len(inputs[i]) < budget[i] and int(nxt[i]) not in stop
+        tokens = nxt
+        step += 1
+    results = []
+    for i, m in enumerate(lengths):
+        rows = len(inputs[i])
+        if not rows:
+            results.append(Draft(m, [], [], [], [], rec.scale))
+            continue
+        queries = [torch.cat([q[i] for q in rec.q[layer][:rows]], dim=1) for layer in range(num_layers)]
+        keys = [cache.layers[layer].keys[i, :, longest - m : longest + rows] for layer in range(num_layers)]
+        kept = torch.stack(logp[i]) if logprobs else None
+        results.append(Draft(m, inputs[i], drafted[i], queries, keys, rec.scale, kept))
+    return results

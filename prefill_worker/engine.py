@@ -36,6 +36,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.prefill_worker.draft_batch import DraftBatcher
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.image_reuse import ImageReuser, ReuseReport
@@ -119,12 +120,14 @@ class PrefillEngine:
         verify_config: VerifyConfig | None = None,
         learned_profile: str = "",
         learned: CompressionProfile | None = None,
+        draft_batch: int = 1,
     ) -> None:
         """``profile``: a compression profile checked against this model (``vlkv calibrate``, or one this
         server learned); it chooses the policy of every unverified request that names none
         (``CompressionSettings.explicit`` False), and a verified one tries its entry first. ``verify_config``:
         the server's verification defaults (None: nothing is verified). ``learned_profile``: where to write the
-        verifier's outcomes as a profile (every ``learn_after`` verified requests; "": not written); ``learned``: a profile it wrote before (the counts start from it)."""
+        verifier's outcomes as a profile (every ``learn_after`` verified requests; "": not written); ``learned``: a profile it wrote before (the counts start from it). ``draft_batch`` > 1: the drafts of requests run
+        at once (from several threads) step as one batch of up to that many (``draft_batch.DraftBatcher``)."""
         use_vlkv_attention(model)
         self.model = model
         self.spec = spec
@@ -133,6 +136,7 @@ class PrefillEngine:
         self.image_cache = image_cache
         self.reuser = ImageReuser(model, spec, image_cache) if image_cache is not None else None
         self.verify_config = verify_config
+        self.drafts = DraftBatcher(model, spec.eos_token_ids, draft_batch) if draft_batch > 1 else None
         self.learned_profile = learned_profile
         labels = verify_config.candidates if verify_config is not None else ()
         self.candidates = [Candidate(label, policy_from_dict(d)) for label, d in labels]
@@ -193,6 +197,17 @@ class PrefillEngine:
             return self.run_verified(req, plan)
         return self.run_fixed(req)
 
+    def _draft(self, keys, values, first: int, steps: int):
+        """The greedy draft over the full cache, with each step's log-probabilities (batched with the other
+        requests' drafts when this engine batches them)."""
+        if self.drafts is not None:
+            return self.drafts.draft(keys, values, first, steps)
+        return run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids, logprobs=True)
+
+    def close(self) -> None:
+        if self.drafts is not None:
+            self.drafts.close()
+
     def _first_token(self, logits: torch.Tensor, sampling) -> int:
         generator = None if sampling.greedy else make_generator(sampling.seed)
         try:
@@ -229,7 +244,7 @@ class PrefillEngine:
             [plan.draft_tokens] + [c.policy.lookahead_steps(compression.budget, m, tau) for c in candidates]
         )
         t_draft = time.perf_counter()
-        draft = run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids, logprobs=True)
+        draft = self._draft(keys, values, first, steps)
         t_verify = time.perf_counter()
         drafted: dict[tuple[int, int], list] = {}
         num_layers = self.spec.num_layers
@@ -299,7 +314,7 @@ class PrefillEngine:
         draft_ms = 0.0
         if steps and stats is not None:  # lookahead: a greedy draft over the full cache, then discarded
             t_draft = time.perf_counter()
-            draft = run_draft(self.model, keys, values, first, steps, self.spec.eos_token_ids)
+            draft = self._draft(keys, values, first, steps)
             stats = with_draft(stats, draft.col_sums(steps, compression.threshold), draft.rows)
             draft_ms = (time.perf_counter() - t_draft) * 1000
         # A full cache (full policy or budget >= 1) comes back from compress bitwise unchanged.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,14 +64,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.images = images
         self.image_cache = ImageCache(cfg.image_cache_mb << 20)
         self.engine = PrefillEngine(
-            model, spec, self.image_cache, profile, cfg.verify, cfg.learned_profile, learned=learned
+            model,
+            spec,
+            self.image_cache,
+            profile,
+            cfg.verify,
+            cfg.learned_profile,
+            learned=learned,
+            draft_batch=cfg.concurrency,
         )
         self.address = ""
         self.draining = False
         self.running = 0
         self.waiting = 0
         self.window_saved = 0  # bytes sliding windows kept out of this worker's caches since it started
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlkv-prefill")
+        self._executor = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="vlkv-prefill")
+        self._count = threading.Lock()  # running / window_saved, updated from the executor's threads
         self.peers = DecodePeers(cfg, nixl)
         self.load_stream = LoadStream()
 
@@ -78,6 +87,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.load_stream.close()
         await self.peers.close()
         self._executor.shutdown(wait=True)
+        self.engine.close()
 
     def allow_decode(self, address: str) -> None:
         """Register a decode worker of the cluster: caches may be sent to it."""
@@ -138,14 +148,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
 
     def _run_counted(self, *args):
-        self.running += 1
+        with self._count:
+            self.running += 1
         try:
             result = self.engine.run(*args)
-            self.window_saved += result.window_saved_bytes
             result.cache = quantize_compact(result.cache, self.cfg.transfer.kv_dtype)  # --kv-dtype
+            with self._count:
+                self.window_saved += result.window_saved_bytes
             return result
         finally:
-            self.running -= 1
+            with self._count:
+                self.running -= 1
 
     def load(self) -> worker_pb2.WorkerLoad:
         return worker_pb2.WorkerLoad(

@@ -62,6 +62,7 @@ def _server_config(args) -> ServerConfig:
         compression_profile=getattr(args, "compression_profile", ""),
         verify=_verify_config(args),
         learned_profile=getattr(args, "learned_profile", ""),
+        prefill_concurrency=getattr(args, "prefill_concurrency", 1),
     )
 
 

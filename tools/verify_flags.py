@@ -59,6 +59,17 @@ def add_verify_flags(p: argparse.ArgumentParser) -> None:
         help="where each prefill worker writes its verifier outcomes as a compression profile (every "
         "--verify-learn-after requests); loaded at start-up when it exists (another model's is refused)",
     )
+    add_prefill_concurrency_flag(p)
+
+
+def add_prefill_concurrency_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefill-concurrency",
+        type=int,
+        default=1,
+        help="requests each prefill worker runs at once; their greedy drafts (verification, lookahead) step "
+        "as one batch, which amortizes the weight reads of a draft step on a GPU (default 1)",
+    )
 
 
 def verify_config(args) -> VerifyConfig:

@@ -63,3 +63,12 @@ def test_the_7b_cost_model_rows():
     one = [r for r in rows if r["config"].startswith("select")]
     assert all(a["ms"][2] > b["ms"][2] for a, b in zip(two, one, strict=True))  # more rounds cost more
     assert model_table(rows).count("\n") == 1 + len(rows)
+
+
+def test_draft_batch_rows_time_both_ways_per_group(engine):
+    from vlkv.tools.bench.draft_batch import draft_batch_rows, draft_batch_table
+
+    prompts = [Prompt("g", question="what colour is the square ?", images=(random_png(i),)) for i in range(3)]
+    [row] = draft_batch_rows(engine, prompts, batch=2, steps=4, repeats=1)
+    assert row["group"] == "g" and row["batch"] == 2 and row["serial_ms"] > 0 and row["batched_ms"] > 0
+    assert "| g | 2 |" in draft_batch_table([row])

@@ -245,12 +245,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-lengths", default="1024,2048", help="verify-cost: prompt lengths in tokens")
     p.add_argument("--verify-threads", type=int, default=1, help="verify-cost: torch threads")
     p.add_argument("--verify-no-images", action="store_true", help="verify-cost: text prompts only")
+    p.add_argument(
+        "--verify-batch", type=int, default=4, help="verify-cost: drafts batched together (0: not measured)"
+    )
 
 
 def main(args) -> int:
     import torch
     from vlkv.common.compression.verify import VerifyConfig
     from vlkv.deploy.inprocess import InProcessEngine
+    from vlkv.tools.bench.draft_batch import draft_batch_rows, draft_batch_table
     from vlkv.tools.eval.zoo_text import load_text_model
 
     torch.set_num_threads(args.verify_threads)
@@ -263,6 +267,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     records = measure(engine, prompts, args.verify_budget)
     rows, mrows = summarize(records), model_rows(tuple(lengths), args.verify_budget)
+    batched = draft_batch_rows(engine, prompts, args.verify_batch) if args.verify_batch > 1 else []
     meta = dict(model="SmolLM2-135M-Instruct (text-only LLaVA wrapper)", dtype=str(model.dtype), budget=args.verify_budget,
                 threads=args.verify_threads, n=args.verify_n, wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
     md = (
@@ -270,9 +275,12 @@ def main(args) -> int:
         f"Modelled, cost_model.LLAVA_15_7B (roofline lower bounds), budget {args.verify_budget:g}\n\n"
         f"{model_table(mrows)}\n\nTarget: draft + verification <= {TARGET:.0%} of prefill-worker time at 2K tokens."
     )
+    if batched:
+        md += "\n\nDrafts of requests in flight, one at a time and as one batch (--prefill-concurrency)\n\n"
+        md += draft_batch_table(batched)
     (out / "report.md").write_text(md + "\n")
     (out / "results.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows, model=mrows, records=records), indent=1)
+        json.dumps(dict(meta=meta, rows=rows, model=mrows, records=records, draft_batch=batched), indent=1)
     )
     path = plot(rows, out)
     print(md + f"\n\nplot: {path or 'not drawn (matplotlib not installed)'}; report and results in {out}")

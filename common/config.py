@@ -250,7 +250,7 @@ class ServerConfig:
     # glibc's trim threshold in every worker (MiB): a thread arena's free top above it goes back to the OS
     # when a free reaches it; below it, it stays resident (malloc_trim never trims thread arenas' tops).
     # 4 MiB gives back what a burst of large inputs left (issue 33); a higher value keeps more memory and
-    # re-faults less on very large hand-offs (README "Security": full 7B caches ~0.65x at 4 against 32).
+    # re-faults less on very large hand-offs (docs/operations.md "Security": full 7B caches ~0.65x at 4 against 32).
     malloc_trim_mb: int = 4
 
     def __post_init__(self) -> None:

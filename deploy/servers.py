@@ -77,7 +77,7 @@ def _load_worker(cfg: ServerConfig, model, processor=None, tokenizer=None):
     # MiB-sized KV chunk buffers stay on the heap (see grpc_transport.tune_malloc); a thread's arena gives
     # back a free top over the trim threshold when it shrinks (malloc_trim never trims those tops). At 32 MiB
     # the tops a burst of large inputs left kept 7-94 MiB in the workers after ten refused inputs (median 36
-    # prefill, 68 decode, 12 runs); at 4 MiB (the default), see README "Security" (issue 33).
+    # prefill, 68 decode, 12 runs); at 4 MiB (the default), see docs/operations.md "Security" (issue 33).
     tune_malloc(trim_threshold=cfg.malloc_trim_mb << 20)
     torch.set_num_threads(cfg.model.torch_threads)
     model = model if model is not None else load_model(cfg.model)

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # request waits in the admission queue again (and is prefilled again) until its admission wait is spent.
 PREPARE_THREADS = 4  # requests validated at once (image decoding, processor); the rest wait their turn
 Code = grpc.StatusCode
-# The codes a public call can end with (README "Public API"); CANCELLED only when the client cancels.
+# The codes a public call can end with (docs/api.md "Public API"); CANCELLED only when the client cancels.
 PUBLIC_CODES = frozenset(
     {
         Code.INVALID_ARGUMENT,

@@ -6,7 +6,7 @@ The prefill workers pause ``CHUNK_DELAY_MS`` before each KV chunk after the head
 reserved its blocks: that is when the tests SIGKILL the sending prefill worker or SIGSTOP the decode
 worker. What happens after the signal is the product's own code path.
 
-Scenarios (the failure policy in README "Scaling and failures"):
+Scenarios (the failure policy in docs/operations.md "Scaling and failures"):
 - more streams than the decode pool holds: the newest are preempted to host memory and resumed, every
   client gets its whole answer, the pool returns;
 - gateway SIGKILLed with streams in flight: clients get UNAVAILABLE, the decode worker frees every

@@ -340,7 +340,7 @@ def test_worker_failures_reach_the_client_as_documented_codes_without_addresses(
 
 
 def test_public_codes_are_the_documented_ones():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### Public API") : readme.index("### OpenAI-compatible HTTP API")]
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    section = api[api.index("## Public API") : api.index("## OpenAI-compatible HTTP API")]
     for code in PUBLIC_CODES:
         assert f"`{code.name}`" in section, code

@@ -111,3 +111,15 @@ def test_an_answer_unlike_the_in_process_tables_is_counted(tmp_path, monkeypatch
     assert full.endswith("| 0/2 | 0/2 |")
     differ = int(compressed.split(" | ")[-2].split("/")[0])
     assert differ >= 1 and compressed.startswith("| vlcache 5% | 1.000 (2/2")  # served right, in-process not
+
+
+def test_verified_requests_through_the_api_match_the_in_process_verifier(tmp_path):
+    """`--api-verify floor`: the served verifier keeps the in-process verifier's candidate and answers alike,
+    every usage carries the verifier's fields (exit 0 only then)."""
+    out = tmp_path / "out"
+    argv = ["eval", "--api", "--api-verify", "floor", "-n", "3", "--budgets", "0.02", "--concurrency", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    md = (out / "api_check_verify_floor.md").read_text()
+    [row] = [line for line in md.splitlines() if line.startswith("| 2% |")]
+    assert "| 0/3 | 0/3 |" in row
+    assert main(["eval", "--zoo", "--api-verify", "floor"]) == 2  # an --api flag given to --zoo is refused

@@ -121,7 +121,7 @@ async def _serve(cfg: ServerConfig, model, processor):
 def ask_served(cfg: ServerConfig, model, processor, examples, asks, max_new: int, workers: int) -> list:
     """Start a gateway and one prefill and one decode worker on localhost (``model`` shared), ask every example
     through the gateway at each ``(policy, budget)`` of ``asks`` (policy ``""``: the request names only its
-    budget), stop them; per ask ``(answers, usages' compression_profile)``."""
+    budget), stop them; per ask ``(answers, usages)``; an ask may carry a third item, the request's verify mode."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -131,19 +131,24 @@ def ask_served(cfg: ServerConfig, model, processor, examples, asks, max_new: int
     try:
         with grpc.insecure_channel(servers[2].address) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            for policy, budget in asks:
+            for policy, budget, *mode in asks:
 
-                def one(i: int, policy=policy, budget=budget):
+                def one(i: int, policy=policy, budget=budget, verify=mode[0] if mode else ""):
                     q = _question(examples[i])
                     req = build_request(
-                        images=images[i], question=q, max_new_tokens=max_new, policy=policy, budget=budget
+                        images=images[i],
+                        question=q,
+                        max_new_tokens=max_new,
+                        policy=policy,
+                        budget=budget,
+                        verify=verify,
                     )
                     return generate(stub, req, 600)
 
                 label = f"api {policy or 'profile'}" + (f" {budget:.0%}" if budget is not None else "")
                 with ThreadPoolExecutor(workers) as pool:
                     done = list(track(pool.map(one, range(len(examples))), total=len(examples), desc=label))
-                out.append(([o.text for o in done], [o.finished.usage.compression_profile for o in done]))
+                out.append(([o.text for o in done], [o.finished.usage for o in done]))
     finally:
         for s in servers[::-1]:
             asyncio.run_coroutine_threadsafe(s.stop(), loop).result(60)
@@ -188,6 +193,11 @@ def _in_process(
 def run_api_check(args) -> int:
     from vlkv.common.compression.profile import read_profile
 
+    if getattr(args, "api_verify", None):
+        from vlkv.tools.eval.api_verify import run_api_verify
+
+        return run_api_verify(args)
+
     profile_path = getattr(args, "compression_profile", "") or ""
     profile = read_profile(profile_path) if profile_path else None
     target, model, processor = _target(args)
@@ -229,10 +239,10 @@ def run_api_check(args) -> int:
         return sum(task.is_correct(t, ex) for t, ex in zip(texts, examples, strict=True))
 
     rows = []
-    for (label, policy, _, _, _), (api, named), mine, dflt in zip(runs, served, local, default, strict=True):
+    for (label, policy, _, _, _), (api, usages), mine, dflt in zip(runs, served, local, default, strict=True):
         differ = sum(a.strip() != b.strip() for a, b in zip(api, mine, strict=True))
         expect = profile.label if (profile is not None and policy == "") else ""
-        unnamed = sum(n != expect for n in named)  # answers whose usage names another (or no) profile
+        unnamed = sum(u.compression_profile != expect for u in usages)  # naming another (or no) profile
         rows.append((label, right(api), right(mine), right(dflt) if dflt else None, differ, unnamed))
         print(
             f"{label}: api {right(api)} in-process {right(mine)} differ {differ} profile-mismatch {unnamed}"

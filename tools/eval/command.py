@@ -11,7 +11,15 @@ POLICY_HELP = "vlcache (default), streamingllm, h2o, zipcache, snapkv, pyramidkv
 
 
 # Flags that only one mode reads; given to another mode they would be ignored without a word.
-API_ONLY = ("budgets", "concurrency", "batch_invariant", "dtype", "member", "compression_profile")
+API_ONLY = (
+    "budgets",
+    "concurrency",
+    "batch_invariant",
+    "dtype",
+    "member",
+    "compression_profile",
+    "api_verify",
+)
 ZOO_ONLY = ("members", "text_n", "jobs", "text_lengths", "text_tasks", "rows", "verify")
 
 
@@ -106,6 +114,14 @@ def add_eval_parser(sub) -> None:
         action="store_true",
         help="ask every question through a local gateway + workers (real gRPC) at full and --policy at "
         "--budgets; compare with the in-process answers -> api_check.md",
+    )
+    p.add_argument(
+        "--api-verify",
+        choices=["floor", "select"],
+        default=None,
+        help="--api: verified compression instead of --policy: each request names only its budget and this "
+        "verify mode, the in-process side runs the same verifier (InProcessEngine) one request at a time; "
+        "every usage must carry the verifier's fields and the candidate the in-process verifier kept",
     )
     p.add_argument(
         "--kv-dtype", choices=["fp16", "int8", "fp8"], default="fp16", help="how the decoded cache is stored"

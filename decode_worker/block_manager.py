@@ -15,11 +15,19 @@ Admission (``PoolConfig.admission``, ``AdmissionPolicy``):
   the pool free, so running sequences have room to grow, and waits while preempted sequences wait to
   resume (they go first). Sequences take further blocks one at a time while decoding; when the pool runs
   out the scheduler preempts the newest (``scheduler.py``).
-- ``reserve``: a cache also reserves ``max_new_tokens`` in every layer, so decoding never needs a block
-  it does not have and nothing is ever preempted; fewer sequences fit.
+- ``reserve``: a cache also reserves ``max_new_tokens`` in every layer (a sliding layer: up to its ring),
+  so decoding never needs a block it does not have and nothing is ever preempted; fewer sequences fit.
 
 Either way a request that could not fit even in an empty pool is refused outright (``NEVER_FITS``); one
 that does not fit now is refused with ``POOL_FULL`` (room may come later).
+
+Sliding-window layers (``windows``, per layer its window ``W``, 0: none; from the model's ``ModelSpec``) are
+rings: the decode attention reads the last ``W`` entries of such a layer only, so after every step ``slide``
+drops the layer's leading blocks wholly before them (``block_math.dead_blocks``) and its length counts the
+entries it still holds. Every count here caps such a layer's growth at ``block_math.ring_blocks``: under
+``grow`` the dropped blocks go back to the pool (the layer takes one again a block's worth of tokens later);
+under ``reserve`` a layer's reservation is its ring, and its dropped blocks move to the end of its own table,
+so it never needs a block it does not have.
 
 Decode-phase re-compression (``--decode-budget``, off by default): a layer whose cache has grown to
 ``recompress_target``'s trigger is cut back to its budget (the decode core picks which tokens stay and
@@ -30,9 +38,10 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vlkv.common.block_math import blocks_needed, ceil_div
+from vlkv.common.block_math import blocks_needed, ceil_div, dead_blocks, layer_blocks
 
 
 def recompress_budget(prompt_time_len: int, budget: float, window: int) -> int:
@@ -92,12 +101,22 @@ class AdmissionPolicy:
 class BlockManager:
     """Free list and per-sequence block tables; every block is either free or owned by one sequence."""
 
-    def __init__(self, num_blocks: int, block_size: int, policy: AdmissionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: AdmissionPolicy | None = None,
+        windows: Sequence[int] = (),
+    ) -> None:
+        """``windows``: per layer its sliding window (0: none; ``()``: no layer slides), see the module."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if any(w < 0 or w == 1 for w in windows):
+            raise ValueError(f"sliding windows must be 0 or >= 2, got {tuple(windows)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = policy or AdmissionPolicy()
+        self.windows = tuple(windows) if any(windows) else ()
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._used: set[int] = set()
 
@@ -106,8 +125,15 @@ class BlockManager:
         return len(self._free)
 
     # -- allocation verbs ----------------------------------------------------------------------------
+    def _windows_for(self, layer_lengths: list[int]) -> tuple[int, ...]:
+        if self.windows and len(self.windows) != len(layer_lengths):
+            raise ValueError(f"{len(layer_lengths)} layers for a pool of {len(self.windows)}-layer windows")
+        return self.windows or (0,) * len(layer_lengths)
+
     def blocks_needed(self, layer_lengths: list[int], extra_tokens: int) -> int:
-        return blocks_needed(layer_lengths, extra_tokens, self.block_size)
+        """Blocks ``allocate(layer_lengths, extra_tokens)`` takes: the most the layers hold while
+        ``extra_tokens`` are appended, a sliding layer's capped by its ring."""
+        return blocks_needed(layer_lengths, extra_tokens, self.block_size, self.windows)
 
     def can_allocate(self, layer_lengths: list[int], extra_tokens: int) -> bool:
         return self.blocks_needed(layer_lengths, extra_tokens) <= self.num_free
@@ -117,8 +143,8 @@ class BlockManager:
         if not self.can_allocate(layer_lengths, extra_tokens):
             return None
         tables = []
-        for n in layer_lengths:
-            ids = [self._free.pop() for _ in range(ceil_div(n + extra_tokens, self.block_size))]
+        for n, w in zip(layer_lengths, self._windows_for(layer_lengths), strict=True):
+            ids = [self._free.pop() for _ in range(layer_blocks(n, extra_tokens, self.block_size, w))]
             self._used.update(ids)
             tables.append(ids)
         return SequenceBlocks(tables)
@@ -144,6 +170,31 @@ class BlockManager:
             self._used.add(block)
             table.append(block)
         return True
+
+    def slide(self, blocks: SequenceBlocks, lengths: list[int]) -> int:
+        """After a step: drop every sliding layer's leading blocks that no later step reads (its cache,
+        ``lengths[l]`` entries, is a run of its latest positions; the attention reads its last ``W``) and
+        take their tokens off ``lengths[l]`` (in place), so each table and length keep token ``t`` in block
+        ``t // block_size``. Under ``grow`` the blocks go back to the pool, under ``reserve`` to the end of
+        the layer's own table (its ring). Returns the tokens dropped, all layers."""
+        if not self.windows:
+            return 0
+        dropped = 0
+        for layer, (n, w) in enumerate(zip(lengths, self._windows_for(lengths), strict=True)):
+            table = blocks.tables[layer]
+            dead = min(dead_blocks(n, w, self.block_size), len(table))
+            if not dead:
+                continue
+            gone = table[:dead]
+            del table[:dead]
+            if self.policy.reserve:
+                table.extend(gone)
+            else:
+                self._used.difference_update(gone)
+                self._free.extend(reversed(gone))
+            lengths[layer] = n - dead * self.block_size
+            dropped += dead * self.block_size
+        return dropped
 
     def shrink(self, blocks: SequenceBlocks, layer: int, num_tokens: int) -> int:
         """Free layer ``layer``'s blocks past the first ``num_tokens`` tokens (re-compression); returns how

@@ -63,6 +63,7 @@ class DecodeCore:
         self.decode_window = decode_window
         self.prompt_weight = prompt_weight
         self.evicted_tokens = 0  # by re-compression, since start
+        self.slid_tokens = 0  # dropped by sliding layers' rings (``BlockManager.slide``), since start
         self._mass: torch.Tensor | None = None
         self._stepping: set[Sequence] = set()  # between schedule and postprocess
         self.scheduler: Scheduler[Sequence] = Scheduler(blocks, max_batch, swap_bytes, cache.token_bytes)
@@ -80,10 +81,18 @@ class DecodeCore:
         )
         n = cache.num_blocks
         blocks = BlockManager(
-            n, pool.block_size, AdmissionPolicy.from_config(pool.admission, pool.watermark, n)
+            n,
+            pool.block_size,
+            AdmissionPolicy.from_config(pool.admission, pool.watermark, n),
+            windows=getattr(spec, "windows", ()),  # sliding layers are rings (``BlockManager.slide``)
         )
+        runner = ModelRunner(model, cache, pool.batch_invariant) if model is not None else None
+        if runner is not None and blocks.windows and tuple(runner.windows) != blocks.windows:
+            raise ValueError(
+                f"the model's sliding windows {runner.windows} are not the spec's {blocks.windows}"
+            )
         return cls(
-            ModelRunner(model, cache, pool.batch_invariant) if model is not None else None,
+            runner,
             blocks,
             cache,
             pool.max_batch,
@@ -199,6 +208,9 @@ class DecodeCore:
             if s.finished:  # cancelled while its step ran
                 self._release(s)
             else:
+                slid = self.blocks.slide(s.blocks, s.lengths)  # rings: blocks no later step reads
+                s.slid += slid
+                self.slid_tokens += slid
                 if mass is not None:
                     self._recompress(s, mass[i])
                 live.append(i)
@@ -249,7 +261,7 @@ class DecodeCore:
             seq.attn_mass = grown
         seq.attn_mass[:, :width] += step_mass
         window = self.decode_window
-        sliding = self.runner.windows if self.runner is not None else ()
+        sliding = (self.runner.windows if self.runner is not None else ()) or self.blocks.windows
         for layer, n in enumerate(seq.lengths):
             if sliding and sliding[layer]:  # a sliding layer's cache stays a run of its last positions
                 continue

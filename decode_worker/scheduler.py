@@ -15,8 +15,10 @@ bookkeeping itself, and leaves the K/V copies the plan names to the caller (they
    with RESOURCE_EXHAUSTED).
 
 The caller applies ``swapped_in`` before ``swapped_out`` (a sequence resumed and preempted again in the
-same plan is in both), then steps ``running``, then grows each stepped sequence's ``lengths`` by one. A
-finished or cancelled sequence leaves through ``finish``, which frees its blocks.
+same plan is in both), then steps ``running``, then grows each stepped sequence's ``lengths`` by one (and a
+sliding layer's ring drops the blocks no later step reads, ``BlockManager.slide``: ``lengths`` count the
+entries a sequence holds, which is what a swap copies and a resume allocates). A finished or cancelled
+sequence leaves through ``finish``, which frees its blocks.
 """
 
 from __future__ import annotations

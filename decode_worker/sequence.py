@@ -74,7 +74,7 @@ class Sequence:
 
     request_id: str
     blocks: SequenceBlocks
-    lengths: list[int]  # per layer cached tokens
+    lengths: list[int]  # per layer cached tokens (a sliding layer: those its ring still holds)
     prompt_length: int  # m: the first decode position
     first_token: int
     sampling: SamplingConfig
@@ -89,6 +89,7 @@ class Sequence:
     prompt_lengths: list[int] = field(init=False)  # per layer cached tokens on arrival (re-compression)
     attn_mass: torch.Tensor | None = field(default=None, init=False)  # [L, T] accumulated (re-compression)
     evicted: int = field(default=0, init=False)  # tokens dropped by re-compression, all layers
+    slid: int = field(default=0, init=False)  # tokens sliding layers' rings dropped, all layers
 
     def __post_init__(self) -> None:
         self.generated = [self.first_token]

@@ -182,6 +182,7 @@ async def start_gateway(
     processor = processor if processor is not None else load_processor(cfg.model.path)
     spec = ModelSpec.from_checkpoint(cfg.model.path, cfg.model.torch_dtype, processor.tokenizer)
     router = Router(cfg.limits.max_message_bytes, cfg.security, keepalive_s=cfg.keepalive_s)
+    router.windows = spec.windows
     for a in prefill:
         router.add_prefill(a)
     for a in decode:

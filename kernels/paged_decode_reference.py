@@ -231,7 +231,8 @@ def paged_decode_reference(
         # K @ q^T and p^T @ V (transposed views): faster than q @ K^T for the few rows of a GQA group.
         qq = (q[idx].float() * scale).view(c, n_kv, group, dim)
         if k_scale is not None:  # q . (k * ks) = (q * ks) . k: one scale row per (sequence, KV head)
-            qq = qq * k_scale[table[:, 0]].float().view(c, n_kv, 1, dim)
+            # the layer's scales sit in every block it holds: its first table entry, before any masking
+            qq = qq * k_scale[block_tables[idx, 0].long()].float().view(c, n_kv, 1, dim)
         qq = qq.view(c * n_kv, group, dim)
         s = torch.bmm(kk.view(c * n_kv, n_tok, dim), qq.transpose(1, 2))  # [c * H_kv, n_tok, G]
         s.view(c, n_kv, n_tok, group).masked_fill_(pad.view(c, 1, n_tok, 1), -math.inf)

@@ -66,6 +66,7 @@ class Router:
         self.keepalive_s = keepalive_s  # pings on every worker channel (grpc_server.keepalive_options)
         self.security = security if security is not None else SecurityConfig()
         self.strategy = STRATEGIES[strategy]
+        self.windows: tuple[int, ...] = ()  # the model's sliding windows (ModelSpec.windows): decode rings
         self.sample_k = sample_k
         self.rng = random.Random(seed)
         self.connect = connect
@@ -198,7 +199,7 @@ class Router:
             raise Unavailable("no decode worker is registered")
         if not board.live and strategy.draw != "poll":  # none reported lately (a gateway just started): ask
             await self.watch.poll_all([(w, board) for w in list(board.values())[: self.sample_k]])
-        need = Need(layer_tokens, max_new_tokens)
+        need = Need(layer_tokens, max_new_tokens, self.windows)
         loop = asyncio.get_running_loop()
         for _ in range(strategy.rounds * (self.sample_k if strategy.per_k else 1)):
             drawn = await self._draw(board, strategy.draw)

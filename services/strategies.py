@@ -28,12 +28,13 @@ class Need:
 
     layer_tokens: Sequence[int]
     max_new_tokens: int
+    windows: Sequence[int] = ()  # per layer its sliding window (0: none): a binding one's decode is a ring
 
     def blocks(self, load: worker_pb2.WorkerLoad, whole: bool = False) -> int:
         """Blocks the worker takes at admission (the cache, plus max_new_tokens if it reserves them), or
         with ``whole`` the most the sequence can ever hold."""
         extra = self.max_new_tokens if load.reserves_new_tokens or whole else 0
-        return blocks_needed(list(self.layer_tokens), extra, max(load.block_size, 1))
+        return blocks_needed(list(self.layer_tokens), extra, max(load.block_size, 1), self.windows)
 
 
 def most_room_that_fits(candidates, need: Need):

@@ -239,3 +239,16 @@ def test_admission_queue_is_first_come_first_served_and_bounded():
             await queue.admit(attempt_for("no wait"), 0.0, 2)
 
     vclock.run(main())
+
+
+def test_a_decode_pick_counts_a_sliding_layers_ring_not_its_whole_generation():
+    """The router's estimate matches the decode pool's: a binding window caps a layer's growth at its ring."""
+    from vlkv.common.block_math import blocks_needed
+    from vlkv.services.strategies import Need
+    from vlkv.v1 import worker_pb2
+
+    load = worker_pb2.WorkerLoad(block_size=4, reserves_new_tokens=True)
+    plain, ring = Need([7, 7, 27], 100), Need([7, 7, 27], 100, (8, 8, 0))
+    assert plain.blocks(load) == blocks_needed([7, 7, 27], 100, 4) == 86
+    assert ring.blocks(load) == blocks_needed([7, 7, 27], 100, 4, (8, 8, 0)) < plain.blocks(load)
+    assert ring.blocks(load) == 2 * 3 + 32  # two rings of 3 blocks, the full layer's 127 tokens in 32

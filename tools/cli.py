@@ -592,6 +592,11 @@ def cmd_bench(args) -> int:
 
         args.out = args.out if args.out != "out/bench" else "out/bench_verify_cost"
         return verify_cost.main(args)
+    if args.what == "window-kv":
+        from vlkv.tools.bench import window_kv
+
+        args.out = args.out if args.out != "out/bench" else "out/bench_window_kv"
+        return window_kv.main(args)
     from vlkv.tools.bench.compare_systems import run_bench
 
     return run_bench(args)
@@ -677,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             "soak",
             "kvpress",
             "verify-cost",
+            "window-kv",
         ],
         help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
         "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
@@ -716,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     from vlkv.tools.bench.verify_cost import add_args as add_verify_cost_args
 
     add_verify_cost_args(p)
+    from vlkv.tools.bench.window_kv import add_args as add_window_kv_args
+
+    add_window_kv_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("kernels", help="ahead-of-time checks of the Triton kernels (no GPU needed)")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from vlkv.common.compression.lookahead import with_draft
 from vlkv.common.compression.registry import DEFAULT_POLICY, CompressionSettings, get_policy
+from vlkv.common.compression.windows import binding_windows
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
@@ -76,6 +77,7 @@ class Prepared:
     model: Any = field(default=None, repr=False)  # for lookahead's draft (``draft``)
     eos: tuple[int, ...] = ()
     question: int = 0  # the prompt's final question in tokens (``common/model/question.py``; 0: none)
+    windows: tuple[int, ...] = ()  # the model's sliding windows (``ModelSpec.windows``; (): none)
     _stats: dict = field(default_factory=dict, repr=False)
     _draft: Draft | None = field(default=None, repr=False)
     _draft_sums: dict = field(default_factory=dict, repr=False)
@@ -192,6 +194,7 @@ def prepare(
                 model,
                 spec.eos_token_ids,
                 prompt_question(inputs.input_ids, inputs.modality.tau >= m, spec.turns),  # as the worker does
+                spec.windows,
             )
         )
         if counter is not None:
@@ -235,9 +238,14 @@ def compress(prep: Prepared, policy_name: str, budget: float, threshold: float =
     return compress_with(prep, get_policy(policy_name, **params), budget, threshold)
 
 
+EVAL_NEW_TOKENS = 64
+"""New tokens a request of the evaluation may decode, for which sliding windows bind (``binding_windows``): the
+most any evaluation decodes (calibration's whole answer); a window that binds for more is cut at prefill."""
+
+
 def compress_with(prep: Prepared, policy, budget: float, threshold: float = 0.01) -> CompactKV:
     """``prep`` compressed by a built ``policy`` as ``PrefillEngine.run`` compresses it: its statistics
-    (``policy_stats``), the first token and the question count handed over alike."""
+    (``policy_stats``), the first token, the question count and the binding sliding windows handed over alike."""
     stats = policy_stats(prep, policy, budget, threshold)
     return policy.compress(
         stats,
@@ -248,6 +256,7 @@ def compress_with(prep: Prepared, policy, budget: float, threshold: float = 0.01
         tau=prep.tau,
         first_token=prep.first_token,
         question=prep.question,
+        windows=binding_windows(prep.windows, prep.m, EVAL_NEW_TOKENS),
     )
 
 

@@ -14,10 +14,11 @@ policy: it reads the answer before choosing.
 from __future__ import annotations
 
 import torch
+from vlkv.common.compression.windows import binding_windows, fit_windows
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.prompt_cache import prompt_cache
-from vlkv.tools.eval.evaluation import Prepared, _Recorder
+from vlkv.tools.eval.evaluation import EVAL_NEW_TOKENS, Prepared, _Recorder
 
 
 @torch.inference_mode()
@@ -73,12 +74,19 @@ def mass_budgets(attention: list[torch.Tensor], total: int) -> list[int]:
 
 
 def oracle_cache(prep: Prepared, attention: list[torch.Tensor], budgets: list[int]) -> CompactKV:
-    """Per layer and KV head the ``budgets[l]`` prompt tokens with the most answer attention."""
+    """Per layer and KV head the ``budgets[l]`` prompt tokens with the most answer attention; a binding
+    sliding-window layer keeps its last positions as the prefill worker keeps them (``windows.fit_windows``: its
+    budget cut to its window, the rest to the other layers)."""
     keys_out, values_out, kept = [], [], []
-    for att, k_l, keys, values in zip(attention, budgets, prep.keys, prep.values, strict=True):
+    windows = binding_windows(prep.windows, prep.m, EVAL_NEW_TOKENS)
+    budgets, tails = fit_windows(budgets, windows, prep.m)
+    for att, k_l, keys, values, tail in zip(attention, budgets, prep.keys, prep.values, tails, strict=True):
         if not 1 <= k_l <= prep.m:
             raise ValueError(f"budget {k_l} outside [1, m={prep.m}]")
-        idx = att.topk(k_l, dim=-1).indices.sort(dim=-1).values.to(keys.device)  # [H_kv, k_l]
+        if tail:
+            idx = torch.arange(prep.m - k_l, prep.m, device=keys.device).repeat(keys.shape[0], 1)
+        else:
+            idx = att.topk(k_l, dim=-1).indices.sort(dim=-1).values.to(keys.device)  # [H_kv, k_l]
         gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
         keys_out.append(keys.gather(1, gather))
         values_out.append(values.gather(1, gather))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.common.model.families import family_of
 from vlkv.common.model.loading import language_model
 
 ROTATION_ROPE_TYPES = ("default", "linear", "llama3")
@@ -30,8 +31,13 @@ def reuse_supported(model) -> str:
         return f"model_type {model.config.model_type!r} (only llava)"
     lm = language_model(model)
     text = lm.config
-    if getattr(text, "sliding_window", None):
+    family = family_of(text)
+    if any(
+        family.windows(text)
+    ):  # the model's own layer types (a Qwen2 config sets a window it does not use)
         return "sliding-window attention"
+    if family.rope_per_layer_type:
+        return f"rotary embeddings per layer type ({family.name})"
     rope = lm.rotary_emb
     if getattr(rope, "rope_type", "default") not in ROTATION_ROPE_TYPES or rope.attention_scaling != 1.0:
         return f"rope type {getattr(rope, 'rope_type', '?')!r} is not a pure rotation"

@@ -194,7 +194,9 @@ def test_each_image_of_a_prompt_is_its_own_entry(default_engine):
     assert pe.image_cache.stats().hits == hits + 2 and got == want
 
 
-@pytest.mark.parametrize("variant", ["llava-gqa", "llava-mha", "llava_next-gqa"])
+@pytest.mark.parametrize(
+    "variant", ["llava-gqa", "llava-mha", "llava_next-gqa", "llava-qwen2", "llava-llama"]
+)
 def test_random_tiny_models_at_ratio_one_match_the_full_forward(tiny_model_dirs, variant):
     from PIL import Image
 

@@ -165,3 +165,26 @@ def test_a_window_the_request_cannot_outgrow_does_not_bind():
     assert binding_windows((0, 64, 8), 50, 14) == (0, 0, 8)  # position 63 still reads position 0
     assert binding_windows((0, 64, 8), 50, 15) == (0, 64, 8)
     assert binding_windows((), 50, 10) == ()
+
+
+def test_a_sliding_window_cache_over_nixl_decodes_as_over_grpc(tiny_model_dirs):
+    """The hand-off is the same CompactKV whatever the family: Gemma 3's windowed caches over NIXL (``nixl``
+    alone: a cache NIXL could not carry fails the request, it is not sent over gRPC)."""
+    from vlkv.common.handoff.nixl_agent import nixl_available
+
+    if nixl_available():
+        pytest.skip(nixl_available())
+    cfg = ServerConfig(
+        model=ModelConfig(path=tiny_model_dirs("llava-gemma3")),
+        pool=PoolConfig(pool_bytes=8 << 20),
+        transfer=TransferConfig(kv_transport="nixl", nixl_min_bytes=0),
+    )
+    cluster = InProcCluster(cfg)
+    try:
+        images = [random_png(7)]
+        req = build_request(images=images, question=LONG, max_new_tokens=MAX_NEW, policy="full")
+        assert generate(cluster.stub, req, timeout=60).token_ids == reference_tokens(cluster, images, LONG)
+        req = build_request(images=images, question=LONG, max_new_tokens=MAX_NEW, budget=0.1)
+        assert generate(cluster.stub, req, timeout=60).finished.usage.generated_tokens >= 1
+    finally:
+        cluster.close()

@@ -63,6 +63,8 @@ def test_compressed_request_decodes_and_sliding_layers_keep_their_window(cluster
     assert 0 < usage.kv_bytes_kept < usage.kv_bytes_full
     kept = list(usage.layer_budgets)
     assert len(kept) == len(windows)
+    per_token_layer = usage.kv_bytes_full // (len(kept) * usage.prompt_tokens)
+    assert usage.kv_bytes_kept == sum(kept) * per_token_layer  # the bytes are the kept lengths' accounting
     for layer, (k, w) in enumerate(zip(kept, windows, strict=True)):
         assert 1 <= k <= usage.prompt_tokens
         if w:

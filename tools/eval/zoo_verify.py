@@ -48,6 +48,9 @@ FRONTIER = (0.04, 0.08, 0.16, 0.25)
 """Budgets the fixed candidates and the oracles are also scored at: where ``floor`` raises to (doubling from
 1 and 2%; 20% from 5 and 10% lies between 16 and 25) and the default cap."""
 WITHIN = 0.01
+CONFIG = VerifyConfig()
+"""The verification the rows run: the server's defaults (``vlkv serve`` with no ``--verify`` flags); each
+mode's engine takes it with its ``mode``."""
 ORACLE = "better oracle"
 FIELDS = ("hits", "ratio", "raises", "budget", "candidate", "agreement", "floor_met", "same")
 
@@ -75,7 +78,7 @@ class Verified:
         self.model, self.processor, self.task = model, processor, task
         self.budgets = [float(b) for b in budgets]
         self.frontier = [b for b in FRONTIER if b not in self.budgets]
-        self.config = config or VerifyConfig()
+        self.config = config or CONFIG
         self.engines = {
             m: InProcessEngine(model, processor, verify=replace(self.config, mode=m)) for m in MODES
         }
@@ -195,6 +198,20 @@ def point(cell: dict) -> dict:
     return out
 
 
+def as_fixed(v: dict, mode: str, b) -> float:
+    """The share of a verifier row's answers scored as the kept candidate's own fixed row scores that example
+    at the kept budget (right or wrong alike), over the examples whose kept budget the curves hold; nan when
+    none is."""
+    cell = v["modes"][mode][str(float(b))]
+    same = []
+    for i, (label, kept, hit) in enumerate(zip(cell["candidate"], cell["budget"], cell["hits"], strict=True)):
+        curves = v["curves"].get(label, {}).get("hits", {})
+        key = next((k for k in curves if math.isclose(float(k), kept, rel_tol=1e-6)), None)
+        if key is not None:  # the request's budget went through the wire's float32: 0.01 is 0.0099999998
+            same.append(curves[key][i] == hit)
+    return _mean(same)
+
+
 def curve(v: dict, label: str) -> list[tuple[float, float, float]]:
     """``(realized, accuracy, requested)`` of a fixed row at every budget it was scored at, by realized budget;
     ``ORACLE``: the better of the two oracle rows at each budget."""
@@ -280,8 +297,9 @@ def member_table(name: str, r: dict) -> list[str]:
         f"n = {r.get('n', '?')}; full cache {full:.3f}. Verifier: floor {cfg['floor']}, cap {cfg['max_budget']:.0%}, "
         f"{cfg['draft_tokens']}-token draft, learned order after {v['learn_after']} requests per budget.",
         "",
-        "| requested | row | accuracy (95%) | realized mean budget | raised | floor met | kept as the zoo compresses it |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| requested | row | accuracy (95%) | realized mean budget | raised | floor met | kept cache = the zoo's "
+        "compress | scored as that fixed row |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in v["budgets"]:
         for label in v["candidates"]:
@@ -289,19 +307,19 @@ def member_table(name: str, r: dict) -> list[str]:
             cell = {"hits": c["hits"][str(b)], "ratio": c["ratio"][str(b)]}
             row = f" (row `{c['row']}`)" if c["row"] else ""
             md.append(
-                f"| {b:.0%} | candidate {label}{row} | {_acc(cell)} | {_pct(_mean(cell['ratio']))} | - | - | - |"
+                f"| {b:.0%} | candidate {label}{row} | {_acc(cell)} | {_pct(_mean(cell['ratio']))} | - | - | - | - |"
             )
         for o in ORACLES:
             if o in v["curves"]:
                 c = v["curves"][o]
                 cell = {"hits": c["hits"][str(b)], "ratio": c["ratio"][str(b)]}
-                md.append(f"| {b:.0%} | {o} | {_acc(cell)} | {_pct(_mean(cell['ratio']))} | - | - | - |")
+                md.append(f"| {b:.0%} | {o} | {_acc(cell)} | {_pct(_mean(cell['ratio']))} | - | - | - | - |")
         for mode in MODES:
             cell = v["modes"][mode][str(b)]
             p = point(cell)
             md.append(
                 f"| {b:.0%} | **{LABELS[mode]}** | {_acc(cell)} | {_pct(p['realized'])} | {p['raised']:.0%} | "
-                f"{p['floor_met']:.0%} | {p['same']:.0%} |"
+                f"{p['floor_met']:.0%} | {p['same']:.0%} | {as_fixed(v, mode, b):.0%} |"
             )
     if v["frontier"]:
         md += ["", "The fixed rows at the budgets floor raises to (accuracy @ realized mean budget):", ""]

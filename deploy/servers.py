@@ -104,21 +104,24 @@ def _worker_server(cfg: ServerConfig, port: int, service: str) -> Server:
     )
 
 
-def load_compression_profile(cfg: ServerConfig, fingerprint: str = "") -> CompressionProfile | None:
-    """The compression profile this deployment serves (``--compression-profile PATH``, else
-    ``compression_profile.json`` beside the checkpoint; ``none``: no profile), validated, and checked
-    against the model's ``fingerprint`` when one is given; ConfigError with the reason otherwise."""
-    path = find_profile(cfg.model.path, cfg.compression_profile)
-    if path is None:
-        return None
+def _checked_profile(path, fingerprint: str, what: str) -> CompressionProfile:
+    """``path`` read, validated and checked against the model's ``fingerprint`` (when given); ConfigError."""
     try:
         profile = read_profile(path)
         if fingerprint:
             profile.check_model(fingerprint)
     except ValueError as err:
-        raise ConfigError(f"refusing to start: {err}") from None
-    log.info("compression profile %s (budgets %s)", profile.label, profile.budgets)
+        raise ConfigError(f"refusing to start: {what}{err}") from None
+    log.info("%scompression profile %s (budgets %s)", what, profile.label, profile.budgets)
     return profile
+
+
+def load_compression_profile(cfg: ServerConfig, fingerprint: str = "") -> CompressionProfile | None:
+    """The compression profile this deployment serves (``--compression-profile PATH``, else
+    ``compression_profile.json`` beside the checkpoint; ``none``: no profile), validated, and checked
+    against the model's ``fingerprint`` when one is given; ConfigError with the reason otherwise."""
+    path = find_profile(cfg.model.path, cfg.compression_profile)
+    return None if path is None else _checked_profile(path, fingerprint, "")
 
 
 def load_learned_profile(cfg: ServerConfig, fingerprint: str = "") -> CompressionProfile | None:
@@ -127,14 +130,7 @@ def load_learned_profile(cfg: ServerConfig, fingerprint: str = "") -> Compressio
     path = cfg.learned_profile
     if not path or not Path(path).is_file():
         return None
-    try:
-        profile = read_profile(path)
-        if fingerprint:
-            profile.check_model(fingerprint)
-    except ValueError as err:
-        raise ConfigError(f"refusing to start: learned profile {err}") from None
-    log.info("learned compression profile %s (budgets %s)", profile.label, profile.budgets)
-    return profile
+    return _checked_profile(path, fingerprint, "learned profile ")
 
 
 async def start_prefill_worker(cfg: ServerConfig, port: int = 0, model=None, processor=None) -> Running:

@@ -361,7 +361,7 @@ def test_model_fingerprint():
         torch.manual_seed(seed)
         m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)]).to(dtype)
         m.config = types.SimpleNamespace(
-            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+            model_type="llama", num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
             vocab_size=100,
         )  # fmt: skip
         return m

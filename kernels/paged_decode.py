@@ -90,6 +90,18 @@ def _load_q(
     return q
 
 
+@triton.jit
+def _split_span(lengths_ptr, seq, split, split_tokens, window, WINDOWED: tl.constexpr):
+    """The tokens ``[lo, end)`` of ``seq`` that split ``split`` reads: its share of the sequence and, for a
+    sliding layer (``WINDOWED``, a constexpr: the other layers' programs are as without windows), only its last
+    ``window`` tokens."""
+    start = split * split_tokens
+    if WINDOWED:
+        length = tl.load(lengths_ptr + seq)
+        return tl.maximum(start, length - window), tl.minimum(length, start + split_tokens)
+    return start, tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
+
+
 # Arguments that vary from one decode step to the next (table width, split count, which group size) are not
 # specialized on their values, so one program serves every step of a deployment: see kernels/specs.py.
 @triton.jit(do_not_specialize=["tables_ptr", "stride_ts", "stride_ms", "stride_mh", "GROUP", "window"])
@@ -125,16 +137,7 @@ def _split_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
 
-    start = split * split_tokens
-    if (
-        WINDOWED
-    ):  # a sliding layer reads its last `window` tokens only (a constexpr: other layers' code as before)
-        length = tl.load(lengths_ptr + seq)
-        end = tl.minimum(length, start + split_tokens)
-        lo = tl.maximum(start, length - window)
-    else:
-        end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
-        lo = start
+    lo, end = _split_span(lengths_ptr, seq, split, split_tokens, window, WINDOWED)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -247,14 +250,7 @@ def _mass_kernel(
     m_g = tl.load(m_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=0.0)
     inv_l = 1.0 / tl.load(l_ptr + seq * stride_ms + head * stride_mh, mask=g_ok, other=1.0)
     k_base = k_ptr + kv_head * stride_kh
-    start = split * split_tokens
-    if WINDOWED:
-        length = tl.load(lengths_ptr + seq)
-        end = tl.minimum(length, start + split_tokens)
-        lo = tl.maximum(start, length - window)
-    else:
-        end = tl.minimum(tl.load(lengths_ptr + seq), start + split_tokens)
-        lo = start
+    lo, end = _split_span(lengths_ptr, seq, split, split_tokens, window, WINDOWED)
     for n0 in range(lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.prompt_cache import prompt_cache
 from vlkv.kernels.attention_stats import attention_stats
@@ -142,7 +143,7 @@ def run_drafts(model, prompts: list[tuple[list, list, int, int]], eos: Iterable[
     longest, b = max(lengths), len(prompts)
     num_layers = len(prompts[0][0])
     device = prompts[0][0][0].device
-    padded_k, padded_v = [], []
+    cache = DynamicCache()  # as ``prompt_cache``, a batch of all the prompts, each left-padded to the longest
     for layer in range(num_layers):
         ref = prompts[0][0][layer]
         kk = ref.new_zeros((b, ref.shape[0], longest, ref.shape[2]))
@@ -150,11 +151,7 @@ def run_drafts(model, prompts: list[tuple[list, list, int, int]], eos: Iterable[
         for i, (keys, values, _, _) in enumerate(prompts):
             kk[i, :, longest - lengths[i] :] = keys[layer]
             vv[i, :, longest - lengths[i] :] = values[layer]
-        padded_k.append(kk)
-        padded_v.append(vv)
-    cache = prompt_cache(model, [k[0] for k in padded_k], [v[0] for v in padded_v])
-    for layer in range(num_layers):  # prompt_cache holds batches of one: put the whole batch in
-        cache.layers[layer].keys, cache.layers[layer].values = padded_k[layer], padded_v[layer]
+        cache.update(kk, vv, layer)
     mask = torch.zeros(b, longest, dtype=torch.long, device=device)
     for i, m in enumerate(lengths):
         mask[i, longest - m :] = 1

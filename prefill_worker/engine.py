@@ -126,8 +126,10 @@ class PrefillEngine:
         server learned); it chooses the policy of every unverified request that names none
         (``CompressionSettings.explicit`` False), and a verified one tries its entry first. ``verify_config``:
         the server's verification defaults (None: nothing is verified). ``learned_profile``: where to write the
-        verifier's outcomes as a profile (every ``learn_after`` verified requests; "": not written); ``learned``: a profile it wrote before (the counts start from it). ``draft_batch`` > 1: the drafts of requests run
-        at once (from several threads) step as one batch of up to that many (``draft_batch.DraftBatcher``)."""
+        verifier's outcomes as a profile (every ``learn_after`` verified requests; "": not written);
+        ``learned``: a profile it wrote before (the counts start from it). ``draft_batch`` > 1: the drafts of
+        requests run at once (from several threads) step as one batch of up to that many
+        (``draft_batch.DraftBatcher``)."""
         use_vlkv_attention(model)
         self.model = model
         self.spec = spec

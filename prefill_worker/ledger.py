@@ -25,14 +25,22 @@ LEARNED_KIND = "verifier"
 
 @dataclass
 class _Bucket:
+    """One requested budget's outcomes: per candidate its wins and the summed agreement and KL of the caches
+    it was kept for."""
+
     budget: float
-    requests: int = 0
     wins: Counter = field(default_factory=Counter)
-    agreement: float = 0.0  # sum over requests
-    kl: dict = field(default_factory=lambda: defaultdict(float))  # candidate -> summed KL when it won
-    agreed: dict = field(
-        default_factory=lambda: defaultdict(float)
-    )  # candidate -> summed agreement when it won
+    agreed: dict = field(default_factory=lambda: defaultdict(float))
+    kl: dict = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def requests(self) -> int:
+        return sum(self.wins.values())
+
+    @property
+    def agreement(self) -> float:
+        """Summed over every request of the bucket."""
+        return sum(self.agreed.values())
 
 
 class Ledger:
@@ -74,9 +82,7 @@ class Ledger:
             if policy is not None:
                 self._policies.setdefault(verdict.candidate, policy)
             bucket = self._bucket(requested)
-            bucket.requests += 1
             bucket.wins[verdict.candidate] += 1
-            bucket.agreement += verdict.agreement
             bucket.kl[verdict.candidate] += verdict.kl
             bucket.agreed[verdict.candidate] += verdict.agreement
             self.verified += 1
@@ -96,8 +102,6 @@ class Ledger:
                 bucket = self._bucket(float(row["budget"]))
                 wins = int(row.get("prompts", 0))
                 bucket.wins[row["candidate"]] += wins
-                bucket.requests += wins
-                bucket.agreement += float(row["agreement"]) * wins
                 bucket.kl[row["candidate"]] += float(row["kl"]) * wins
                 bucket.agreed[row["candidate"]] += float(row["agreement"]) * wins
                 taken += 1
@@ -157,15 +161,11 @@ class Ledger:
         )
 
     def write(self, path: str | Path) -> str:
-        """Write the learned profile (atomically: a restart never reads half a file); returns its label."""
+        """Write the learned profile (``CompressionProfile.write``: atomically); returns its label."""
         profile = self.profile()
         if profile is None:
             return ""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        label = profile.write(tmp)
-        tmp.replace(path)
-        label = label.replace(tmp.name, path.name, 1)
+        label = profile.write(path)
         with self._lock:
             self.learned_profile = label
         return label

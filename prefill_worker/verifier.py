@@ -53,7 +53,7 @@ class Verdict:
 Compress = Callable[[Policy, float], CompactKV]
 
 
-def _distinct(caches: Sequence[CompactKV]) -> tuple[list[CompactKV], list[int]]:
+def distinct_caches(caches: Sequence[CompactKV]) -> tuple[list[CompactKV], list[int]]:
     """The caches that keep different positions, and per input its index among them (decoded once)."""
     out, slot, seen = [], [], {}
     for cache in caches:
@@ -69,7 +69,7 @@ def _distinct(caches: Sequence[CompactKV]) -> tuple[list[CompactKV], list[int]]:
 def _score(model, caches: list[CompactKV], draft: Draft) -> list[tuple[float, float]]:
     if not draft.inputs or draft.logprobs is None:
         return [(1.0, 0.0)] * len(caches)
-    unique, slot = _distinct(caches)
+    unique, slot = distinct_caches(caches)
     scores = agreement(model, unique, draft.inputs, draft.tokens, draft.logprobs)
     return [scores[s] for s in slot]
 

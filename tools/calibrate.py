@@ -49,6 +49,7 @@ from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.teacher_force import agreement
+from vlkv.prefill_worker.verifier import distinct_caches
 from vlkv.tools.calibrate_answers import ANSWER_MARGIN, answer_recall, free_run, question_of
 from vlkv.tools.calibrate_prompts import read_prompts
 from vlkv.tools.eval.evaluation import BLOCK_SIZE, compress, compress_with, prepare
@@ -327,18 +328,13 @@ def _candidate_caches(p, keys, budgets) -> tuple[list, list[int]]:
     index of its cache (two candidates that keep the same positions hold the same cache: decoded once). A
     candidate that acts on ``p`` as an earlier one does (``_acting``) is not compressed again."""
     _share_draft(p, [policy for _, policy, _ in keys], budgets)
-    caches, slot, seen, made = [], [], {}, {}
+    made, per_key = {}, []
     for _, policy, b in keys:
         acting = _acting(p, policy, b)
         if acting not in made:  # with lookahead's draft rows, as served
             made[acting] = compress_with(p, policy, b, THRESHOLD)
-        cache = made[acting]
-        kept = tuple(idx.cpu().numpy().tobytes() for idx in cache.kept_indices)
-        if kept not in seen:
-            seen[kept] = len(caches)
-            caches.append(cache)
-        slot.append(seen[kept])
-    return caches, slot
+        per_key.append(made[acting])
+    return distinct_caches(per_key)  # the verifier's: caches keeping the same positions decoded once
 
 
 def _agreement(model, caches, ref: list[int], ref_logp: list[torch.Tensor]) -> list[tuple[float, float]]:

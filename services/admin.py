@@ -45,6 +45,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     out.workers[-1].image_cache.CopyFrom(w.load.image_cache)
                 if kind == "prefill" and w.load.HasField("verifier"):
                     out.workers[-1].verifier.CopyFrom(w.load.verifier)
+                if kind == "prefill" and w.load.HasField("prefix_cache"):
+                    out.workers[-1].prefix_cache.CopyFrom(w.load.prefix_cache)
         for e in self.autoscaler.events if self.autoscaler else []:
             out.events.append(
                 admin_pb2.ScalingEvent(

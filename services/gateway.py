@@ -38,6 +38,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import MAX_REQUEST_ID, PreparedRequest, prepare_request, to_prefill_proto
 from vlkv.common.reuse import ANONYMOUS, TENANT_KEY, tenant_of
 from vlkv.services.metrics import GatewayMetrics
+from vlkv.services.prefix_index import route_keys
 from vlkv.services.router import Reservation, Router
 from vlkv.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 
@@ -118,8 +119,12 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         tried: set[str] = set()
         images = tuple(request.image_hashes)
         metadata = ((TENANT_KEY, tenant),)
+        reuse = request.reuse.reuse != "off"
+        prefix = (
+            tuple(route_keys(request.input_ids, images, self.spec.image_token_id, tenant)) if reuse else ()
+        )
         while True:
-            worker = self.router.pick_prefill(exclude=tried, images=images, tenant=tenant)
+            worker = self.router.pick_prefill(exclude=tried, images=images, tenant=tenant, prefix=prefix)
             tried.add(worker.address)
             worker.in_flight += 1
             try:
@@ -137,8 +142,10 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                 self.metrics.hand_off.observe(reply.transfer_ms / 1000)
                 if images:
                     self.metrics.image_cache.labels("hit" if reply.image_cache_hit else "miss").inc()
-                    if request.reuse.reuse != "off":
+                    if reuse:
                         self.router.note_images(worker.address, images, tenant)
+                if prefix:
+                    self.router.note_prefix(worker.address, prefix)
                 return reply
             except grpc.aio.AioRpcError as exc:
                 retry = (
@@ -396,6 +403,7 @@ PREFILL_USAGE_FIELDS = (
     "verified_budget",
     "draft_tokens",
     "kv_bytes_window_saved",
+    "cached_prompt_tokens",
 )
 
 

@@ -334,12 +334,14 @@ def finish_reason(finished: generate_pb2.Finished) -> str:
 
 
 def usage_json(u: generate_pb2.Usage) -> dict:
-    """OpenAI's usage, plus vlkv's figures (vision tokens, KV kept and full, ratio, layer budgets, TTFT, the
+    """OpenAI's usage (``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served),
+    plus vlkv's figures (vision tokens, KV kept and full, ratio, layer budgets, TTFT, the
     compression profile in force, and what verification did: null when the request was not verified)."""
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.generated_tokens,
         "total_tokens": u.prompt_tokens + u.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
         "vlkv": {
             "vision_tokens": u.vision_tokens,
             "kv_bytes_kept": u.kv_bytes_kept,

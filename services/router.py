@@ -9,6 +9,8 @@ publisher, indexer and scheduler):
 - ``load_board.py`` ``LoadBoard``, one per pool: the reports, their freshness, the sampling list, and
   the reservations (``reserve`` at a pick, ``Reservation.settle`` when the cache arrived);
 - ``image_index.py`` ``ImageIndex``: which prefill worker holds which image;
+- ``prefix_index.py`` ``PrefixIndex``: which prefill worker was sent which prompt prefix (a conversation's
+  follow-up goes there: it prefills only its new tokens);
 - ``strategies.py``: the picks, pure functions of the candidates and the request, in one table;
 - ``admission_queue.py`` ``AdmissionQueue``: requests waiting for a decode worker with room.
 
@@ -32,6 +34,7 @@ from vlkv.services.admission_queue import AdmissionQueue
 from vlkv.services.image_index import ImageIndex
 from vlkv.services.load_board import DROP_S, STALE_S, LoadBoard, Reservation, Worker
 from vlkv.services.load_watch import POLL_S, LoadWatch
+from vlkv.services.prefix_index import PrefixIndex
 from vlkv.services.strategies import BUSY_MARGIN, STRATEGIES, Need, pick_prefill
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
@@ -73,6 +76,7 @@ class Router:
         self.prefill = LoadBoard(idle=True)
         self.decode = LoadBoard()
         self.images = ImageIndex()
+        self.prefixes = PrefixIndex()
         self.queue = AdmissionQueue()
         self.watch = LoadWatch(self._on_report)
 
@@ -96,6 +100,7 @@ class Router:
 
     async def remove(self, address: str) -> None:
         self.images.forget(address)
+        self.prefixes.forget(address)
         for board in (self.prefill, self.decode):
             w = board.leave(address)
             if w is not None:
@@ -139,12 +144,21 @@ class Router:
         """``address`` prefilled these images (it holds them in its image cache now)."""
         self.images.note(address, images, tenant)
 
+    def note_prefix(self, address: str, keys: tuple[str, ...]) -> None:
+        """``address`` prefilled a prompt of these blocks (``prefix_index.route_keys``)."""
+        self.prefixes.note(address, keys)
+
     # -- prefill ---------------------------------------------------------------------------------------
     def pick_prefill(
-        self, exclude: set[str] = frozenset(), images: tuple[str, ...] = (), tenant: str = ""
+        self,
+        exclude: set[str] = frozenset(),
+        images: tuple[str, ...] = (),
+        tenant: str = "",
+        prefix: tuple[str, ...] = (),
     ) -> Worker:
-        """The serving prefill worker that holds most of ``images`` (of ``tenant``) if it is not much busier
-        than the least-loaded one (``BUSY_MARGIN``), else the least-loaded one of those drawn."""
+        """The serving prefill worker that was sent the longest of the prompt's ``prefix`` blocks, or else
+        holds most of ``images`` (of ``tenant``), if it is not much busier than the least-loaded one
+        (``BUSY_MARGIN``); else the least-loaded one of those drawn."""
         self.watch.start_pending()
         board = self.prefill
         if self.strategy.draw == "poll" or len(board) <= self.sample_k:
@@ -157,6 +171,12 @@ class Router:
                 drawn = list(board.values())  # a retry that excluded the draw, or no fresh report
         live = [w for w in drawn if not w.draining and w.address not in exclude]
         held = {board[a]: n for a, n in self.images.held(images, tenant).items() if a in board}
+        address, blocks = self.prefixes.longest(prefix) if prefix else ("", 0)
+        if address in board:  # a prefix holds the images before it too: it outranks them
+            held = {
+                board[address]: blocks + len(images),
+                **{w: n for w, n in held.items() if w.address != address},
+            }
         holders = {
             w: n for w, n in held.items() if w.reachable and not w.draining and w.address not in exclude
         }

@@ -206,15 +206,15 @@ def test_non_finite_logits_at_the_first_token_are_invalid_argument(cluster, monk
     """The prefill's first token and the decode worker's first sampled token: NaN logits end the request
     INVALID_ARGUMENT (the old gateway answered UNAVAILABLE for the second, naming the worker)."""
     engine = cluster.prefill.servicer.engine
-    forward = engine.forward_cached  # the prefill's forward (through the image cache)
+    forward = engine.forward_prompt  # the prefill's forward (through the prefix and image caches)
 
     def nan_logits(req, collector, q_start=0):
-        logits, keys, values, reuse = forward(req, collector, q_start)
+        logits, keys, values, reuse, prefix = forward(req, collector, q_start)
         logits = logits.clone()
         logits[3] = float("nan")
-        return logits, keys, values, reuse
+        return logits, keys, values, reuse, prefix
 
-    monkeypatch.setattr(engine, "forward_cached", nan_logits)
+    monkeypatch.setattr(engine, "forward_prompt", nan_logits)
     err = _error(cluster, _small(temperature=1e-38))
     assert err.code() == INVALID and "non-finite logits" in err.details(), err.details()
     monkeypatch.undo()

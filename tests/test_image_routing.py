@@ -46,7 +46,8 @@ def test_the_worker_holding_most_images_wins():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dirs):
-    cfg = ServerConfig(model=ModelConfig(path=tiny_model_dirs("llava-gqa")))
+    # The image cache alone: an exact repeat of a prompt would otherwise come from the prefix cache.
+    cfg = ServerConfig(model=ModelConfig(path=tiny_model_dirs("llava-gqa")), prefix_cache_mb=0)
     c = InProcCluster(cfg)
     c.second = c.run(start_prefill_worker(cfg, model=c.model, processor=c.processor))
     c.second.servicer.allow_decode(c.decode.address)

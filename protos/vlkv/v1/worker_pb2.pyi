@@ -63,7 +63,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile", "verified_candidate", "verified_agreement", "verified_kl", "budget_raises", "floor_met", "verify", "verified_budget", "draft_tokens", "kv_bytes_window_saved")
+    __slots__ = ("prompt_tokens", "vision_tokens", "post_vision_tokens", "first_token_id", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "prefill_ms", "transfer_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile", "verified_candidate", "verified_agreement", "verified_kl", "budget_raises", "floor_met", "verify", "verified_budget", "draft_tokens", "kv_bytes_window_saved", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POST_VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class PrefillReply(_message.Message):
     VERIFIED_BUDGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_WINDOW_SAVED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     post_vision_tokens: int
@@ -112,7 +113,8 @@ class PrefillReply(_message.Message):
     verified_budget: float
     draft_tokens: int
     kv_bytes_window_saved: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ..., verified_candidate: _Optional[str] = ..., verified_agreement: _Optional[float] = ..., verified_kl: _Optional[float] = ..., budget_raises: _Optional[int] = ..., floor_met: _Optional[bool] = ..., verify: _Optional[str] = ..., verified_budget: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., kv_bytes_window_saved: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ..., verified_candidate: _Optional[str] = ..., verified_agreement: _Optional[float] = ..., verified_kl: _Optional[float] = ..., budget_raises: _Optional[int] = ..., floor_met: _Optional[bool] = ..., verify: _Optional[str] = ..., verified_budget: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., kv_bytes_window_saved: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "wait_ms")
@@ -135,7 +137,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full", "compression_profile", "verifier", "kv_bytes_window_saved")
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full", "compression_profile", "verifier", "kv_bytes_window_saved", "prefix_cache")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class WorkerLoad(_message.Message):
     COMPRESSION_PROFILE_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_WINDOW_SAVED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     waiting: int
@@ -178,7 +181,32 @@ class WorkerLoad(_message.Message):
     compression_profile: str
     verifier: VerifierStats
     kv_bytes_window_saved: int
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[VerifierStats, _Mapping]] = ..., kv_bytes_window_saved: _Optional[int] = ...) -> None: ...
+    prefix_cache: PrefixCacheStats
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[VerifierStats, _Mapping]] = ..., kv_bytes_window_saved: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("blocks", "bytes_held", "capacity_bytes", "lookups", "hits", "hit_tokens", "lookup_tokens", "evictions", "rejected", "block_tokens")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes_held: int
+    capacity_bytes: int
+    lookups: int
+    hits: int
+    hit_tokens: int
+    lookup_tokens: int
+    evictions: int
+    rejected: int
+    block_tokens: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierStats(_message.Message):
     __slots__ = ("verified", "budget_raises", "floor_misses", "wins", "mean_agreement", "bucket_requests", "learned_profile")

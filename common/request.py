@@ -407,6 +407,8 @@ def reuse_from_proto(pb: generate_pb2.ReuseParams) -> ReuseSettings:
     if pb.mode and pb.mode not in REUSE_MODES and pb.mode not in REUSE_MODE_ALIASES:
         raise InvalidInput(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {pb.mode!r}")
     kwargs = {"enabled": pb.reuse != "off"}
+    if pb.conversation:
+        kwargs["conversation"] = pb.conversation
     if pb.mode:
         kwargs["mode"] = pb.mode
     if pb.HasField("recompute_ratio"):
@@ -419,5 +421,8 @@ def reuse_from_proto(pb: generate_pb2.ReuseParams) -> ReuseSettings:
 
 def reuse_to_proto(cfg: ReuseSettings) -> generate_pb2.ReuseParams:
     return generate_pb2.ReuseParams(
-        reuse="auto" if cfg.enabled else "off", recompute_ratio=cfg.ratio, mode=cfg.mode
+        reuse="auto" if cfg.enabled else "off",
+        recompute_ratio=cfg.ratio,
+        mode=cfg.mode,
+        conversation=cfg.conversation,
     )

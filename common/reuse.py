@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 REUSE_MODES = ("layerwise", "mpic", "none")
+CONVERSATION_MODES = ("recompress", "continue")  # a follow-up turn: re-compressed, or appended (opt-in)
 # "vlcache" named the layer-aware mode until it also named a compression policy; requests may still send it
 REUSE_MODE_ALIASES = {"vlcache": "layerwise"}
 DEFAULT_RECOMPUTE_RATIO = 0.05
@@ -33,6 +34,7 @@ class ReuseSettings:
     enabled: bool = True
     mode: str = "layerwise"
     ratio: float = DEFAULT_RECOMPUTE_RATIO  # share of the image's token-layers recomputed, in [0, 1]
+    conversation: str = "recompress"  # a follow-up turn (CONVERSATION_MODES; ReuseParams.conversation)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", REUSE_MODE_ALIASES.get(self.mode, self.mode))
@@ -40,6 +42,10 @@ class ReuseSettings:
             raise ValueError(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {self.mode!r}")
         if not (math.isfinite(self.ratio) and 0.0 <= self.ratio <= 1.0):
             raise ValueError(f"reuse recompute ratio must be in [0, 1], got {self.ratio}")
+        if self.conversation not in CONVERSATION_MODES:
+            raise ValueError(
+                f"conversation must be one of {', '.join(CONVERSATION_MODES)}, got {self.conversation!r}"
+            )
 
 
 def image_hashes(pixel_values: torch.Tensor | None, image_sizes: torch.Tensor | None = None) -> list[str]:

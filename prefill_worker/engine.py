@@ -36,6 +36,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
 from vlkv.kernels.attention_stats import attention_stats
+from vlkv.prefill_worker.continuation import Retained, RetainedCache, append_tokens
 from vlkv.prefill_worker.draft_batch import DraftBatcher
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.image_cache import ImageCache
@@ -61,6 +62,7 @@ class PrefillResult:
     verify_ms: float = 0.0  # of prefill_ms: the candidates' compression and teacher forcing (verification)
     window_saved_bytes: int = 0  # full-cache bytes the binding sliding windows never keep
     prefix: PrefixReport | None = None  # what the prefix cache did (None: no prefix cache on this worker)
+    continued_tokens: int = 0  # conversation "continue": tokens appended to the previous turn's compact cache
 
 
 def _window_saved(windows, m: int, ckv: CompactKV) -> int:
@@ -147,6 +149,8 @@ class PrefillEngine:
         self.prefixes = (
             PrefixReuser(model, spec, prefix_cache, share_prefixes) if prefix_cache is not None else None
         )
+        # conversation "continue" turns' compact caches: a quarter of the prefix cache's bound, beside it
+        self.retained = Retained(prefix_cache.capacity // 4) if prefix_cache is not None else None
         self.verify_config = verify_config
         self.drafts = DraftBatcher(model, spec.eos_token_ids, draft_batch) if draft_batch > 1 else None
         self.learned_profile = learned_profile
@@ -226,10 +230,37 @@ class PrefillEngine:
         return logits, keys, values, reuse, report
 
     def run(self, req: PreparedRequest) -> PrefillResult:
+        keep = req.reuse.enabled and req.reuse.conversation == "continue"
+        keep = keep and self.retained is not None and self.retained.enabled
+        keyed = self.prefixes.keys_of(req)[0] if keep else []
+        if keep and (result := self.run_continued(req, keyed)) is not None:
+            return result
         plan = self.verify_config.plan(req.compression) if self.verify_config is not None else None
-        if plan is not None:
-            return self.run_verified(req, plan)
-        return self.run_fixed(req)
+        result = self.run_verified(req, plan) if plan is not None else self.run_fixed(req)
+        if keep:
+            ids = tuple(req.input_ids.reshape(-1).tolist())
+            self.retained.put(keyed, RetainedCache(ids, result.cache, result.policy))
+        return result
+
+    def run_continued(self, req: PreparedRequest, keyed: list[str]) -> PrefillResult | None:
+        """Conversation "continue": the prompt's new tokens appended to the compact cache kept for the
+        longest earlier prompt it extends (``continuation.py``); None when none is kept."""
+        ids = req.input_ids.reshape(-1).tolist()
+        layout = (self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        entry = self.retained.find(keyed, ids, layout, self.spec.dtype)
+        if entry is None:
+            return None
+        start = time.perf_counter()
+        new = ids[len(entry.ids) :]
+        cut = binding_windows(self.spec.windows, req.m, req.sampling.max_new_tokens)
+        ckv, logits = append_tokens(self.model, entry.cache, new, cut)
+        ckv.first_token = self._first_token(logits, req.sampling)
+        self.retained.put(keyed, RetainedCache(tuple(ids), ckv, entry.policy))
+        ms = (time.perf_counter() - start) * 1000
+        saved = _window_saved(cut, req.m, ckv)
+        return PrefillResult(
+            ckv, req.modality, entry.policy, ms, window_saved_bytes=saved, continued_tokens=len(new)
+        )
 
     def _draft(self, keys, values, first: int, steps: int):
         """The greedy draft over the full cache, with each step's log-probabilities (batched with the other

@@ -149,6 +149,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             compression_profile=result.profile,
             kv_bytes_window_saved=result.window_saved_bytes,
             cached_prompt_tokens=result.prefix.cached_tokens if result.prefix else 0,
+            continued_tokens=result.continued_tokens,
             **verdict_fields(result.verdict),
         )
 

@@ -102,22 +102,15 @@ class _Forced:
         return seen.repeat(1, group, 1)[:, None]  # rows are (query head of the group, forced token)
 
 
-@torch.inference_mode()
-def forced_logprobs(
-    model, caches: list[CompactKV], tokens: list[list[int]], rows_per_head: int = 16, groups: int = 4
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Per cache ``i``, ``(i, logq)``: ``logq`` ``[len(tokens[i]), vocab]`` fp32, row ``g`` the log-softmax of
-    the next-token logits after feeding ``tokens[i][: g + 1]`` over cache ``i`` (token 0 at position
-    ``prompt_length``, as the decode core feeds the prefill's token). The LM head runs ``rows_per_head``
-    caches at a time; ``groups``: ``_Forced``'s length groups per layer (the same distributions with any)."""
+def forced_hidden(model, caches: list[CompactKV], tokens: list[list[int]], forced: _Forced) -> torch.Tensor:
+    """The final-norm hidden states ``[len(caches), T, hidden]`` of ``tokens`` fed over ``caches`` (token 0 of
+    row ``i`` at position ``caches[i].prompt_length``), through ``forced`` (a ``_Forced`` over the caches)."""
     lm = language_model(model)
     t = max(len(x) for x in tokens)
     ids = torch.tensor([x + [x[-1]] * (t - len(x)) for x in tokens])  # padding after a row's end is unseen
     positions = torch.tensor([c.prompt_length for c in caches])[:, None] + torch.arange(t)
     family = family_of(lm.config)
-    windows = family.windows(lm.config)
-    forced = _Forced(caches, groups, windows if any(windows) else ())
-    hidden = lm.embed_tokens(ids)
+    hidden = lm.embed_tokens(ids.to(lm.embed_tokens.weight.device))
     layers = lm.layers[: len(caches[0].keys)]
     step = {  # what the decode step passes every layer, with this forward's object as cache and hook
         "attention_mask": None,
@@ -129,7 +122,25 @@ def forced_logprobs(
     rope = family.position_embeddings(lm, hidden, positions)
     for layer, position_embeddings in zip(layers, rope, strict=False):
         hidden = layer(hidden, position_embeddings=position_embeddings, **step)
-    hidden = lm.norm(hidden)
+    return lm.norm(hidden)
+
+
+def model_windows(model) -> tuple[int, ...]:
+    """Per layer the sliding window the model's attention reads (() when none has one)."""
+    lm = language_model(model)
+    windows = family_of(lm.config).windows(lm.config)
+    return tuple(windows) if any(windows) else ()
+
+
+@torch.inference_mode()
+def forced_logprobs(
+    model, caches: list[CompactKV], tokens: list[list[int]], rows_per_head: int = 16, groups: int = 4
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Per cache ``i``, ``(i, logq)``: ``logq`` ``[len(tokens[i]), vocab]`` fp32, row ``g`` the log-softmax of
+    the next-token logits after feeding ``tokens[i][: g + 1]`` over cache ``i`` (token 0 at position
+    ``prompt_length``, as the decode core feeds the prefill's token). The LM head runs ``rows_per_head``
+    caches at a time; ``groups``: ``_Forced``'s length groups per layer (the same distributions with any)."""
+    hidden = forced_hidden(model, caches, tokens, _Forced(caches, groups, model_windows(model)))
     for at in range(0, len(caches), rows_per_head):
         logq = torch.log_softmax(model.lm_head(hidden[at : at + rows_per_head]).float(), -1)
         for r in range(logq.shape[0]):

@@ -404,6 +404,7 @@ PREFILL_USAGE_FIELDS = (
     "draft_tokens",
     "kv_bytes_window_saved",
     "cached_prompt_tokens",
+    "continued_tokens",
 )
 
 

@@ -123,6 +123,9 @@ class VlkvOptions(BaseModel):
     reuse: str = ""  # image cache: "auto" (default) or "off" (ReuseParams)
     recompute_ratio: float | None = None
     reuse_mode: str = ""  # "layerwise" (default; "vlcache" is an old alias), "mpic", "none"
+    conversation: str = (
+        ""  # a follow-up turn: "recompress" (default) or "continue" (ReuseParams.conversation)
+    )
 
 
 class ImageURL(BaseModel):
@@ -286,7 +289,7 @@ def _compression(v: VlkvOptions) -> generate_pb2.CompressionParams:
 
 
 def _reuse(v: VlkvOptions) -> generate_pb2.ReuseParams:
-    out = generate_pb2.ReuseParams(reuse=v.reuse, mode=v.reuse_mode)
+    out = generate_pb2.ReuseParams(reuse=v.reuse, mode=v.reuse_mode, conversation=v.conversation)
     if v.recompute_ratio is not None:
         out.recompute_ratio = v.recompute_ratio
     return out
@@ -355,6 +358,7 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "recompute_ratio": round(u.recompute_ratio, 6),
             "compression_profile": u.compression_profile,
             "kv_bytes_window_saved": u.kv_bytes_window_saved,
+            "continued_tokens": u.continued_tokens,
             "verification": None
             if not u.verify
             else {

@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16vlkv/v1/generate.proto\x12\x07vlkv.v1\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.vlkv.v1.ChatPromptH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12#\n\x05reuse\x18\x07 \x01(\x0b\x32\x14.vlkv.v1.ReuseParamsB\x08\n\x06prompt\"\\\n\x0bReuseParams\x12\r\n\x05reuse\x18\x01 \x01(\t\x12\x1c\n\x0frecompute_ratio\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04mode\x18\x03 \x01(\tB\x12\n\x10_recompute_ratio\"r\n\nChatPrompt\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.vlkv.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"B\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x14.vlkv.v1.ContentPart\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.vlkv.v1.ImagePlaceholderH\x00\x42\x06\n\x04part\"\x12\n\x10ImagePlaceholder\"\xd0\x01\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xd4\x02\n\x11\x43ompressionParams\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x06\x62udget\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\tallocator\x18\x04 \x01(\t\x12\x14\n\x0c\x65xact_budget\x18\x05 \x01(\x08\x12\x16\n\tlookahead\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10lookahead_weight\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x0e\n\x06verify\x18\x08 \x01(\t\x12\x1b\n\x0e\x66idelity_floor\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x17\n\nmax_budget\x18\n \x01(\x02H\x05\x88\x01\x01\x42\t\n\x07_budgetB\x0c\n\n_thresholdB\x0c\n\n_lookaheadB\x13\n\x11_lookahead_weightB\x11\n\x0f_fidelity_floorB\r\n\x0b_max_budget\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05token\x18\x02 \x01(\x0b\x32\x13.vlkv.v1.TokenChunkH\x00\x12%\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x11.vlkv.v1.FinishedH\x00\x42\x06\n\x04kind\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x08\x46inished\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.vlkv.v1.FinishReason\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.vlkv.v1.Usage\"\xb3\x04\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x04 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x05 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x06 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x07 \x03(\r\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x17\n\x0fimage_cache_hit\x18\n \x01(\x08\x12\x1f\n\x17recomputed_image_tokens\x18\x0b \x01(\r\x12\x17\n\x0frecompute_ratio\x18\x0c \x01(\x02\x12\x1b\n\x13\x63ompression_profile\x18\r \x01(\t\x12\x1a\n\x12verified_candidate\x18\x0e \x01(\t\x12\x1a\n\x12verified_agreement\x18\x0f \x01(\x02\x12\x13\n\x0bverified_kl\x18\x10 \x01(\x02\x12\x15\n\rbudget_raises\x18\x11 \x01(\r\x12\x11\n\tfloor_met\x18\x12 \x01(\x08\x12\x0e\n\x06verify\x18\x13 \x01(\t\x12\x17\n\x0fverified_budget\x18\x14 \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x15 \x01(\r\x12\x1d\n\x15kv_bytes_window_saved\x18\x16 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x17 \x01(\r*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32O\n\nGeneration\x12\x41\n\x08Generate\x12\x18.vlkv.v1.GenerateRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16vlkv/v1/generate.proto\x12\x07vlkv.v1\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.vlkv.v1.ChatPromptH\x00\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12#\n\x05reuse\x18\x07 \x01(\x0b\x32\x14.vlkv.v1.ReuseParamsB\x08\n\x06prompt\"r\n\x0bReuseParams\x12\r\n\x05reuse\x18\x01 \x01(\t\x12\x1c\n\x0frecompute_ratio\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x04 \x01(\tB\x12\n\x10_recompute_ratio\"r\n\nChatPrompt\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.vlkv.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"B\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12%\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x14.vlkv.v1.ContentPart\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.vlkv.v1.ImagePlaceholderH\x00\x42\x06\n\x04part\"\x12\n\x10ImagePlaceholder\"\xd0\x01\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xd4\x02\n\x11\x43ompressionParams\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x06\x62udget\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\tallocator\x18\x04 \x01(\t\x12\x14\n\x0c\x65xact_budget\x18\x05 \x01(\x08\x12\x16\n\tlookahead\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x1d\n\x10lookahead_weight\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x0e\n\x06verify\x18\x08 \x01(\t\x12\x1b\n\x0e\x66idelity_floor\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x17\n\nmax_budget\x18\n \x01(\x02H\x05\x88\x01\x01\x42\t\n\x07_budgetB\x0c\n\n_thresholdB\x0c\n\n_lookaheadB\x13\n\x11_lookahead_weightB\x11\n\x0f_fidelity_floorB\r\n\x0b_max_budget\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05token\x18\x02 \x01(\x0b\x32\x13.vlkv.v1.TokenChunkH\x00\x12%\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x11.vlkv.v1.FinishedH\x00\x42\x06\n\x04kind\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x08\x46inished\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.vlkv.v1.FinishReason\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.vlkv.v1.Usage\"\xcd\x04\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x04 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x05 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x06 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x07 \x03(\r\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x17\n\x0fimage_cache_hit\x18\n \x01(\x08\x12\x1f\n\x17recomputed_image_tokens\x18\x0b \x01(\r\x12\x17\n\x0frecompute_ratio\x18\x0c \x01(\x02\x12\x1b\n\x13\x63ompression_profile\x18\r \x01(\t\x12\x1a\n\x12verified_candidate\x18\x0e \x01(\t\x12\x1a\n\x12verified_agreement\x18\x0f \x01(\x02\x12\x13\n\x0bverified_kl\x18\x10 \x01(\x02\x12\x15\n\rbudget_raises\x18\x11 \x01(\r\x12\x11\n\tfloor_met\x18\x12 \x01(\x08\x12\x0e\n\x06verify\x18\x13 \x01(\t\x12\x17\n\x0fverified_budget\x18\x14 \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x15 \x01(\r\x12\x1d\n\x15kv_bytes_window_saved\x18\x16 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x17 \x01(\r\x12\x18\n\x10\x63ontinued_tokens\x18\x18 \x01(\r*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32O\n\nGeneration\x12\x41\n\x08Generate\x12\x18.vlkv.v1.GenerateRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlkv.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2038
-  _globals['_FINISHREASON']._serialized_end=2163
+  _globals['_FINISHREASON']._serialized_start=2086
+  _globals['_FINISHREASON']._serialized_end=2211
   _globals['_GENERATEREQUEST']._serialized_start=36
   _globals['_GENERATEREQUEST']._serialized_end=281
   _globals['_REUSEPARAMS']._serialized_start=283
-  _globals['_REUSEPARAMS']._serialized_end=375
-  _globals['_CHATPROMPT']._serialized_start=377
-  _globals['_CHATPROMPT']._serialized_end=491
-  _globals['_CHATMESSAGE']._serialized_start=493
-  _globals['_CHATMESSAGE']._serialized_end=559
-  _globals['_CONTENTPART']._serialized_start=561
-  _globals['_CONTENTPART']._serialized_end=642
-  _globals['_IMAGEPLACEHOLDER']._serialized_start=644
-  _globals['_IMAGEPLACEHOLDER']._serialized_end=662
-  _globals['_SAMPLINGPARAMS']._serialized_start=665
-  _globals['_SAMPLINGPARAMS']._serialized_end=873
-  _globals['_COMPRESSIONPARAMS']._serialized_start=876
-  _globals['_COMPRESSIONPARAMS']._serialized_end=1216
-  _globals['_GENERATERESPONSE']._serialized_start=1218
-  _globals['_GENERATERESPONSE']._serialized_end=1341
-  _globals['_TOKENCHUNK']._serialized_start=1343
-  _globals['_TOKENCHUNK']._serialized_end=1388
-  _globals['_FINISHED']._serialized_start=1390
-  _globals['_FINISHED']._serialized_end=1470
-  _globals['_USAGE']._serialized_start=1473
-  _globals['_USAGE']._serialized_end=2036
-  _globals['_GENERATION']._serialized_start=2165
-  _globals['_GENERATION']._serialized_end=2244
+  _globals['_REUSEPARAMS']._serialized_end=397
+  _globals['_CHATPROMPT']._serialized_start=399
+  _globals['_CHATPROMPT']._serialized_end=513
+  _globals['_CHATMESSAGE']._serialized_start=515
+  _globals['_CHATMESSAGE']._serialized_end=581
+  _globals['_CONTENTPART']._serialized_start=583
+  _globals['_CONTENTPART']._serialized_end=664
+  _globals['_IMAGEPLACEHOLDER']._serialized_start=666
+  _globals['_IMAGEPLACEHOLDER']._serialized_end=684
+  _globals['_SAMPLINGPARAMS']._serialized_start=687
+  _globals['_SAMPLINGPARAMS']._serialized_end=895
+  _globals['_COMPRESSIONPARAMS']._serialized_start=898
+  _globals['_COMPRESSIONPARAMS']._serialized_end=1238
+  _globals['_GENERATERESPONSE']._serialized_start=1240
+  _globals['_GENERATERESPONSE']._serialized_end=1363
+  _globals['_TOKENCHUNK']._serialized_start=1365
+  _globals['_TOKENCHUNK']._serialized_end=1410
+  _globals['_FINISHED']._serialized_start=1412
+  _globals['_FINISHED']._serialized_end=1492
+  _globals['_USAGE']._serialized_start=1495
+  _globals['_USAGE']._serialized_end=2084
+  _globals['_GENERATION']._serialized_start=2213
+  _globals['_GENERATION']._serialized_end=2292
 # @@protoc_insertion_point(module_scope)

@@ -316,6 +316,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.record_verdict(usage, prefill_req.compression.budget or DEFAULT_BUDGET)
                     self.metrics.kv_bytes.inc(usage.kv_bytes_kept)
                     self.metrics.window_saved.inc(usage.kv_bytes_window_saved)
+                    self.metrics.record_prompt(usage)
                 yield resp
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             failure = _prefill_failure(prefill_task)

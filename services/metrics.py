@@ -77,6 +77,13 @@ class GatewayMetrics:
             "caches a decode worker refused for room, sent again elsewhere",
             registry=r,
         )
+        self.prompt_tokens = Counter(
+            "vlkv_prompt_tokens",
+            "prompt tokens of finished requests by where their K/V came from: prefilled, prefix_cache, or (a "
+            "conversation continue turn) continued over and retained_compressed in the last turn's cache",
+            ["source"],
+            registry=r,
+        )
         self.image_cache = Counter(
             "vlkv_image_cache_requests",
             "requests with images by prefill image-cache result (hit: every image reused)",
@@ -93,6 +100,14 @@ class GatewayMetrics:
         self.image_cache_events = per_worker(
             "vlkv_image_cache_events",
             "a prefill worker's image-cache lookups and evictions since it started",
+            "event",
+        )
+        self.prefix_cache_bytes = per_worker(
+            "vlkv_prefix_cache_bytes", "bytes a prefill worker's prefix cache holds"
+        )
+        self.prefix_cache_events = per_worker(
+            "vlkv_prefix_cache_events",
+            "a prefill worker's prefix-cache lookups, hits, tokens served and evictions since it started",
             "event",
         )
         labels = ["kind", "address"]
@@ -131,6 +146,16 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
 
+    def record_prompt(self, usage) -> None:
+        """How a finished request's prompt tokens got their K/V."""
+        cached, continued, m = usage.cached_prompt_tokens, usage.continued_tokens, usage.prompt_tokens
+        if continued:
+            self.prompt_tokens.labels("continued").inc(continued)
+            self.prompt_tokens.labels("retained_compressed").inc(max(0, m - continued))
+        else:
+            self.prompt_tokens.labels("prefilled").inc(max(0, m - cached))
+            self.prompt_tokens.labels("prefix_cache").inc(cached)
+
     def record_verdict(self, usage, requested: float) -> None:
         """A finished request's verification figures (nothing when it was not verified), under its requested
         budget."""
@@ -166,6 +191,11 @@ def record_loads(metrics: GatewayMetrics, router) -> None:
                 metrics.image_cache_bytes.labels(w.address).set(ic.bytes_held)
                 for event in ("hits", "misses", "evictions"):
                     metrics.image_cache_events.labels(w.address, event).set(getattr(ic, event))
+            if kind == "prefill" and w.load.HasField("prefix_cache"):
+                pc = w.load.prefix_cache
+                metrics.prefix_cache_bytes.labels(w.address).set(pc.bytes_held)
+                for event in ("lookups", "hits", "hit_tokens", "lookup_tokens", "evictions", "rejected"):
+                    metrics.prefix_cache_events.labels(w.address, event).set(getattr(pc, event))
             if kind == "decode" and w.load.total_blocks:
                 metrics.pool_occupancy.labels(w.address).set(1 - w.load.free_blocks / w.load.total_blocks)
                 metrics.swapped.labels(w.address).set(w.load.swapped)

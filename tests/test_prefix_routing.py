@@ -90,3 +90,29 @@ def test_a_follow_up_whose_holder_lost_it_is_prefilled_in_full(cluster):
         w.prefix_cache.clear()
     got, usage = run(cluster.stub, chat_request(conversation(2), image))
     assert usage.cached_prompt_tokens == 0 and got == want
+
+
+def test_prometheus_counts_prompt_tokens_by_source_and_each_workers_prefix_cache(cluster):
+    from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+    reg = cluster.gateway.servicer.metrics.registry
+
+    def tokens(source: str) -> float:
+        return reg.get_sample_value("vlkv_prompt_tokens_total", {"source": source}) or 0
+
+    before = {s: tokens(s) for s in ("prefilled", "prefix_cache")}
+    image = png(31)
+    _, first = run(cluster.stub, chat_request(conversation(1), image))
+    _, second = run(cluster.stub, chat_request(conversation(2), image))
+    assert tokens("prefix_cache") - before["prefix_cache"] == second.cached_prompt_tokens > 0
+    fresh = first.prompt_tokens + second.prompt_tokens - second.cached_prompt_tokens
+    assert tokens("prefilled") - before["prefilled"] == fresh
+    admin_pb2_grpc.AdminStub(cluster.channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)  # polls loads
+    for running in (cluster.prefill, cluster.second):
+        stats = running.servicer.prefix_cache.stats()
+        labels = {"address": running.address}
+        assert reg.get_sample_value("vlkv_prefix_cache_bytes", labels) == stats.bytes_held
+        assert (
+            reg.get_sample_value("vlkv_prefix_cache_events", {**labels, "event": "hit_tokens"})
+            == stats.hit_tokens
+        )

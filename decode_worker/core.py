@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from vlkv.common.compression.windows import binding_windows
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, PoolConfig
 from vlkv.common.errors import ResourceExhausted, VlkvError
 from vlkv.common.sampling import sample_tokens
@@ -251,8 +252,18 @@ class DecodeCore:
             seq.finish(FinishReason.ERROR, VlkvError(f"decoding failed: {exc!r}", grpc.StatusCode.INTERNAL))
             return Delta(seq, [])
 
+    def _rings(self, seq: Sequence) -> tuple[int, ...]:
+        """Per layer of ``seq`` its window where it binds (``windows.binding_windows``: the prefill kept that
+        layer's last positions and ``BlockManager.slide`` keeps it a ring of its window), else 0. A window the
+        request cannot outgrow binds nothing: that layer was compressed by score like a full-attention layer
+        and is re-compressed like one (its cache never exceeds the window, so the attention never cuts it)."""
+        windows = (self.runner.windows if self.runner is not None else ()) or self.blocks.windows
+        rings = binding_windows(windows, seq.prompt_length, seq.sampling.max_new_tokens)
+        return rings or (0,) * len(seq.lengths)
+
     def _recompress(self, seq: Sequence, step_mass: torch.Tensor) -> None:
-        """Add this step's attention mass ``[L, T]`` to ``seq``'s, then cut back every layer past its budget."""
+        """Add this step's attention mass ``[L, T]`` to ``seq``'s, then cut back every layer past its budget;
+        a sliding layer's ring (``_rings``) is neither cut nor checked against a trigger."""
         width = step_mass.shape[1]
         if seq.attn_mass is None or seq.attn_mass.shape[1] < width:
             grown = torch.zeros(step_mass.shape[0], width)
@@ -261,9 +272,8 @@ class DecodeCore:
             seq.attn_mass = grown
         seq.attn_mass[:, :width] += step_mass
         window = self.decode_window
-        sliding = (self.runner.windows if self.runner is not None else ()) or self.blocks.windows
         for layer, n in enumerate(seq.lengths):
-            if sliding and sliding[layer]:  # a sliding layer's cache stays a run of its last positions
+            if self._rings(seq)[layer]:  # a ring: a run of its last positions, never re-compressed
                 continue
             target = recompress_target(
                 seq.prompt_lengths[layer], n, self.decode_budget, window, self.blocks.block_size

@@ -26,7 +26,7 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.reuse import ANONYMOUS, image_hashes
 from vlkv.prefill_worker.image_cache import ImageCache, ImageEntry, ImageKey
-from vlkv.prefill_worker.reuse_forward import ReusedImage, reuse_forward, reuse_supported, rotate
+from vlkv.prefill_worker.reuse_forward import ReusedImage, reuse_forward, reuse_supported, rotate_layers
 from vlkv.prefill_worker.reuse_schedule import Calibration, layer_ratios, load_calibration, recomputed_counts
 
 log = logging.getLogger(__name__)
@@ -157,12 +157,11 @@ class ImageReuser:
             counts = [0] * L if exact else recomputed_counts(ratios, img.n)
             report.exact += int(exact)
             delta = img.start - entry.start
-            rope = self.lm.rotary_emb
             reused.append(
                 ReusedImage(
                     start=img.start,
                     features=entry.features,
-                    keys=rotate(torch.stack(entry.keys), delta, rope),
+                    keys=rotate_layers(entry.keys, delta, self.model),  # each layer by its own rope
                     values=entry.values,
                     counts=counts,
                 )

@@ -9,8 +9,14 @@ they were computed at to the image's position now). Reused rows skip the layer's
 MLP. The ``vlkv`` attention function still hands each layer's Q (of ``R_l``) and K (all m) to the
 statistics observer; the post-vision rows the statistics need are text, always in ``R_l``.
 
-``RopeShift`` rotates cached keys; it is exact for rotary embeddings that are a pure rotation by position
-(``rope_type`` default, linear, llama3; ``attention_scaling == 1``), which ``reuse_supported`` checks.
+Each layer runs as the model's own forward runs it: its attention mask and its rotary embedding come from the
+decoder family's entry (``common/model/families.py``: ``mask_functions``, causal and, for a sliding layer
+of Mistral, Qwen2 or Gemma 3, within its window; ``layer_ropes``, Gemma 3's local or global rotary module
+by layer type), the embedding module (with Gemma 3's scale), q/k norms and attention scaling are the model's.
+
+``rotate`` moves cached post-RoPE keys to a new position; it is exact for rotary embeddings that are a pure
+rotation by position (``rope_type`` default, linear, llama3; ``attention_scaling == 1``), which
+``reuse_supported`` checks for every layer's rotary embedding.
 """
 
 from __future__ import annotations
@@ -30,22 +36,19 @@ def reuse_supported(model) -> str:
     if getattr(model.config, "model_type", "") != "llava":
         return f"model_type {model.config.model_type!r} (only llava)"
     lm = language_model(model)
-    text = lm.config
-    family = family_of(text)
-    if any(
-        family.windows(text)
-    ):  # the model's own layer types (a Qwen2 config sets a window it does not use)
-        return "sliding-window attention"
-    if family.rope_per_layer_type:
-        return f"rotary embeddings per layer type ({family.name})"
-    rope = lm.rotary_emb
-    if getattr(rope, "rope_type", "default") not in ROTATION_ROPE_TYPES or rope.attention_scaling != 1.0:
-        return f"rope type {getattr(rope, 'rope_type', '?')!r} is not a pure rotation"
+    for rope in {r.key: r for r in family_of(lm.config).layer_ropes(lm)}.values():
+        what = f"rope type {rope.rope_type!r}" + (f" ({rope.layer_type} layers)" if rope.layer_type else "")
+        if rope.rope_type not in ROTATION_ROPE_TYPES:
+            return f"{what} is not a pure rotation"
+        if rope.attention_scaling != 1.0:
+            return f"{what} scales its cos/sin by {rope.attention_scaling} (not a pure rotation)"
     return ""
 
 
 def rotate(keys: torch.Tensor, delta: int, rotary_emb) -> torch.Tensor:
-    """Post-RoPE ``keys [..., n, D]`` computed at positions p moved to p + delta (a rotation by delta)."""
+    """Post-RoPE ``keys [..., n, D]`` computed at positions p moved to p + delta (a rotation by delta).
+    ``rotary_emb``: the layer's rotary embedding, called ``rotary_emb(x, position_ids=...)`` (a model's
+    rotary module, or a ``families.LayerRope``)."""
     if delta == 0:
         return keys
     pos = torch.tensor([[delta]], device=keys.device)
@@ -55,6 +58,21 @@ def rotate(keys: torch.Tensor, delta: int, rotary_emb) -> torch.Tensor:
     half = k.shape[-1] // 2
     rotated_half = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
     return (k * cos + rotated_half * sin).to(keys.dtype)
+
+
+def rotate_layers(keys: torch.Tensor | list[torch.Tensor], delta: int, model) -> torch.Tensor:
+    """Every layer's cached keys (``[L, H_kv, n, D]`` or a list of ``[H_kv, n, D]``) moved by ``delta``, each
+    layer with its own rotary embedding (Gemma 3: its layer type's); layers sharing one are rotated together."""
+    stacked = torch.stack(list(keys)) if isinstance(keys, list | tuple) else keys
+    if delta == 0:
+        return stacked
+    lm = language_model(model)
+    ropes = family_of(lm.config).layer_ropes(lm)
+    out = torch.empty_like(stacked)
+    for key in dict.fromkeys(r.key for r in ropes):
+        layers = [i for i, r in enumerate(ropes) if r.key == key]
+        out[layers] = rotate(stacked[layers], delta, ropes[layers[0]])
+    return out
 
 
 @dataclass
@@ -104,7 +122,9 @@ def reuse_forward(
     if not bool(text[-logits_to_keep:].all()):
         raise ValueError("the prompt must end with a text token to reuse image K/V")
     positions = torch.arange(m, device=device)
-    cos, sin = lm.rotary_emb(embeds[None], position_ids=positions[None])
+    family = family_of(lm.config)
+    rope = family.position_embeddings(lm, embeds[None], positions[None])  # per layer (cos, sin) [1, m, D]
+    masks = family.mask_functions(lm.config)  # per layer: causal, within its window if it slides
     num_layers = len(lm.layers)
     kv_heads, head_dim = images[0].keys[0].shape[0], images[0].keys[0].shape[-1]
     # every layer's K/V at once: the images' cached rows now, the recomputed rows written by the layers
@@ -127,7 +147,8 @@ def reuse_forward(
             hidden = hidden[:, sel]
         prev_rows = rows
         k_full, v_full = k_all[layer_idx], v_all[layer_idx]
-        mask = rows[:, None] >= positions[None, :]  # causal on absolute positions
+        mask = masks[layer_idx](0, 0, rows[:, None], positions[None, :])  # on absolute positions
+        cos, sin = rope[layer_idx]
         out = lm.layers[layer_idx](
             hidden,
             attention_mask=mask[None, None],

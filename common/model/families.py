@@ -58,6 +58,37 @@ def _nothing_unsupported(text) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerRope:
+    """One layer's rotary embedding: the model's own module, called as that layer's forward calls it
+    (``layer_type`` None: ``rotary_emb(x, position_ids=...)``; else Gemma 3's ``rotary_emb(x, ids, type)``).
+    ``rope_type`` and ``attention_scaling`` are what the module applies for that layer."""
+
+    module: object
+    layer_type: str | None = None
+
+    def __call__(self, x, position_ids):
+        if self.layer_type is None:
+            return self.module(x, position_ids=position_ids)
+        return self.module(x, position_ids, self.layer_type)
+
+    @property
+    def rope_type(self) -> str:
+        kind = getattr(self.module, "rope_type", "default")
+        return kind.get(self.layer_type, "?") if isinstance(kind, dict) else str(kind)
+
+    @property
+    def attention_scaling(self) -> float:
+        if self.layer_type is None:
+            return float(getattr(self.module, "attention_scaling", 1.0))
+        return float(getattr(self.module, f"{self.layer_type}_attention_scaling", 1.0))
+
+    @property
+    def key(self) -> str:
+        """Layers with the same key take the same position embeddings."""
+        return self.layer_type or ""
+
+
+@dataclass(frozen=True, slots=True)
 class Family:
     """One decoder family. ``rope_per_layer_type``: its rotary module takes a layer type (Gemma 3)."""
 
@@ -66,17 +97,33 @@ class Family:
     rope_per_layer_type: bool = False
     unsupported: Callable[[object], list[str]] = _nothing_unsupported
 
+    def layer_ropes(self, lm) -> list[LayerRope]:
+        """Per layer of ``lm`` (the decoder stack) its rotary embedding (:class:`LayerRope`)."""
+        layers = len(lm.layers)
+        if not self.rope_per_layer_type:
+            return [LayerRope(lm.rotary_emb)] * layers
+        return [LayerRope(lm.rotary_emb, t) for t in list(lm.config.layer_types)[:layers]]
+
     def position_embeddings(self, lm, hidden, positions) -> list:
         """Per layer of ``lm`` (the decoder stack), the ``position_embeddings`` its layer takes for tokens at
         ``positions`` ``[B, T]``; ``hidden`` ``[B, T, hidden]`` gives the dtype and device. From the model's
         own rotary module, called once (or once per layer type)."""
-        layers = len(lm.layers)
-        if not self.rope_per_layer_type:
-            shared = lm.rotary_emb(hidden, position_ids=positions)
-            return [shared] * layers
-        types = list(lm.config.layer_types)[:layers]
-        by_type = {t: lm.rotary_emb(hidden, positions, t) for t in set(types)}
-        return [by_type[t] for t in types]
+        ropes = self.layer_ropes(lm)
+        by_key = {}
+        for rope in ropes:
+            if rope.key not in by_key:
+                by_key[rope.key] = rope(hidden, positions)
+        return [by_key[rope.key] for rope in ropes]
+
+    def mask_functions(self, text) -> list[Callable]:
+        """Per layer the mask function of its attention (transformers' own: ``mask(b, h, q_idx, kv_idx)``,
+        on absolute positions, broadcasting over index tensors): causal, and within its window for a sliding
+        layer, as the model's own masks (``create_causal_mask`` / ``create_sliding_window_causal_mask``)."""
+        from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+        return [
+            sliding_window_causal_mask_function(w) if w else causal_mask_function for w in self.windows(text)
+        ]
 
 
 FAMILIES = {

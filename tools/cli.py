@@ -58,6 +58,9 @@ def _server_config(args) -> ServerConfig:
         ),
         host=args.host,
         image_cache_mb=args.image_cache_mb,
+        prefix_cache_mb=args.prefix_cache_mb,
+        prefix_block=args.prefix_block,
+        share_prefixes=args.share_prefixes,
         malloc_trim_mb=args.malloc_trim_mb,
         compression_profile=getattr(args, "compression_profile", ""),
         verify=_verify_config(args),
@@ -181,6 +184,19 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="each prefill worker's image cache (reused image K/V, LRU) in MiB; 0 = off",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=256,
+        help="each prefill worker's prefix cache (prompts' full K/V by block, LRU) in MiB: a follow-up turn "
+        "prefills only what follows its longest cached prefix; 0 = off",
+    )
+    p.add_argument("--prefix-block", type=int, default=16, help="tokens per prefix-cache block")
+    p.add_argument(
+        "--share-prefixes",
+        action="store_true",
+        help="one tenant's cached prefixes serve another's prompts (off: each API token has its own)",
     )
     p.add_argument(
         "--compression-profile",
@@ -463,10 +479,12 @@ def cmd_status(args) -> int:
         f"{'kind':8} {'address':22} {'state':12} {'in-flight':>9} {'running':>8} {'waiting':>8} {'KV pool (blocks, bytes)':>16} "
         f"{'preempted':>10}"
     )
-    caches = []
+    caches, prefixes = [], []
     for w in st.workers:
         if w.kind == "prefill" and w.HasField("image_cache"):
             caches.append((w.address, w.image_cache))
+        if w.kind == "prefill" and w.HasField("prefix_cache") and w.prefix_cache.capacity_bytes:
+            prefixes.append((w.address, w.prefix_cache))
         pool = swapped = ""
         if w.kind == "decode" and w.total_blocks:
             used = w.total_blocks - w.free_blocks
@@ -496,6 +514,12 @@ def cmd_status(args) -> int:
             f"image cache {address}: {c.entries} images, {c.bytes_held / (1 << 20):.1f}/"
             f"{c.capacity_bytes / (1 << 20):.0f} MiB, hits {c.hits}/{looked}"
             f"{f' ({c.hits / looked:.0%})' if looked else ''}, evictions {c.evictions}"
+        )
+    for address, c in prefixes:
+        print(
+            f"prefix cache {address}: {c.blocks} blocks, {c.bytes_held / (1 << 20):.1f}/"
+            f"{c.capacity_bytes / (1 << 20):.0f} MiB, hits {c.hits}/{c.lookups} prompts, "
+            f"{c.hit_tokens}/{c.lookup_tokens} tokens, evictions {c.evictions}"
         )
     for e in st.events[-args.events :]:
         stamp = time.strftime("%H:%M:%S", time.localtime(e.unix_time))
@@ -592,6 +616,11 @@ def cmd_bench(args) -> int:
 
         args.out = args.out if args.out != "out/bench" else "out/bench_verify_cost"
         return verify_cost.main(args)
+    if args.what == "prefix-ttft":
+        from vlkv.tools.bench import prefix_ttft
+
+        args.out = args.out if args.out != "out/bench" else "out/bench_prefix_ttft"
+        return prefix_ttft.main(args)
     if args.what == "window-kv":
         from vlkv.tools.bench import window_kv
 
@@ -683,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
             "kvpress",
             "verify-cost",
             "window-kv",
+            "prefix-ttft",
         ],
         help="what to run (all: every table and figure; image-reuse: the image cache's TTFT, accuracy, load; "
         "capacity: sequences per pool with int8 caches and decode re-compression, their wire bytes, int8 vs "
@@ -692,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
         "small gRPC hand-offs and 7B-layout throughput, --before a second checkout in the same run -> "
         "out/bench_handoff); soak: -n requests at --concurrency through a local cluster, pools checked after, "
         "--chaos through both fronts while workers are killed and stopped (tools/chaos_soak.py); kvpress "
-        "--suite text: NVIDIA kvpress's presses on SmolLM2 over the real-text suite -> out/bench_kvpress)",
+        "--suite text: NVIDIA kvpress's presses on SmolLM2 over the real-text suite -> out/bench_kvpress; prefix-ttft: a follow-up turn's TTFT from the prefix cache and "
+        "continued against a cold prefill at 1K/2K histories, and the hit rate under mixed conversations -> "
+        "out/bench_prefix_ttft)",
     )
     p.add_argument("--quick", action="store_true", help="small counts: finishes within 10 minutes on 2 cores")
     p.add_argument("--out", default="out/bench", help="where report.md, results.json and the plots go")
@@ -725,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     from vlkv.tools.bench.window_kv import add_args as add_window_kv_args
 
     add_window_kv_args(p)
+    from vlkv.tools.bench.prefix_ttft import add_args as add_prefix_ttft_args
+
+    add_prefix_ttft_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("kernels", help="ahead-of-time checks of the Triton kernels (no GPU needed)")

@@ -252,6 +252,8 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model, processor = load_text_model()
     lengths = [int(x) for x in args.prefix_lengths.split(",")]
+    if getattr(args, "quick", False):  # a smoke run: one short history, a few conversations
+        lengths, args.prefix_n, args.mixed_n = [512], 2, 4
     t0 = time.perf_counter()
     cfg = ServerConfig(model=ModelConfig(path=model.name_or_path), image_cache_mb=0)
     gateway, _, stop = _serve(cfg, model, processor)
@@ -300,5 +302,6 @@ def main(args) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="out/bench_prefix_ttft")
+    parser.add_argument("--quick", action="store_true", help="one 512-token history, a few conversations")
     add_args(parser)
     raise SystemExit(main(parser.parse_args()))

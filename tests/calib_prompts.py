@@ -7,8 +7,8 @@ from pathlib import Path
 
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.model.loading import load_processor
-from vlkv.tools.calibrate_prompts import write_prompts
-from vlkv.tools.task import synthetic_task
+from vlkv.deploy import synthetic_task
+from vlkv_lab.calibrate_prompts import write_prompts
 
 
 def synthetic_prompts(out: Path, count: int, seed: int) -> Path:

@@ -12,7 +12,7 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
 )
-from vlkv.tools.task.tiny_llava import build_tiny
+from vlkv_lab.task.tiny_llava import build_tiny
 
 WORDS = "what colour shape is the square circle triangle red blue green it a there are one two".split()
 TINY_VARIANTS = {

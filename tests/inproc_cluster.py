@@ -61,8 +61,8 @@ def evaluation_cluster(model_dir: str, n: int, seed: int):
     from PIL import Image
     from vlkv.common.config import ModelConfig, PoolConfig
     from vlkv.common.model.inputs import input_side
-    from vlkv.tools.eval.evaluation import prepare
-    from vlkv.tools.task.synthetic_task import make_examples
+    from vlkv.deploy.synthetic_task import make_examples
+    from vlkv_lab.eval.evaluation import prepare
 
     cfg = ServerConfig(
         model=ModelConfig(path=model_dir), pool=PoolConfig(pool_bytes=4 << 20), image_cache_mb=0

@@ -11,8 +11,8 @@ from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
-from vlkv.tools.cli import main
-from vlkv.tools.eval import api_check
+from vlkv.deploy.cli.main import main
+from vlkv_lab.eval import api_check
 
 # entries unlike the default, one (streamingllm at 1%: no image token kept) answering unlike it: the check
 # must see that the profile, not the default, answered

@@ -1,10 +1,10 @@
-"""``tools/bench/capacity.py`` counts (no timing): int8 blocks hold about twice the sequences of fp16 ones in
+"""``lab/vlkv_lab/bench/capacity.py`` counts (no timing): int8 blocks hold about twice the sequences of fp16 ones in
 the same bytes, decode re-compression sustains more of them with nothing failing, and the int8 cache's
 wire stream is about half the fp16 one."""
 
 from __future__ import annotations
 
-from vlkv.tools.bench.capacity import GIB, capacity, report, wire_bytes
+from vlkv_lab.bench.capacity import GIB, capacity, report, wire_bytes
 
 
 def test_capacity_counts_and_wire_bytes():

@@ -3,7 +3,7 @@ device; no model, no timing)."""
 
 from __future__ import annotations
 
-from vlkv.tools.bench.admission import (
+from vlkv_lab.bench.admission import (
     GIB,
     admission,
     admit_count,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv.tools.bench.image_reuse import CONDITIONS, measure_ttft, plot, render
+from vlkv_lab.bench.image_reuse import CONDITIONS, measure_ttft, plot, render
 
 
 def test_image_reuse_bench_smoke(tmp_path):

@@ -1,4 +1,4 @@
-"""``tools/bench/verify_cost.py`` on the tiny LLaVA (behaviour, not timings): a row per configuration and
+"""``lab/vlkv_lab/bench/verify_cost.py`` on the tiny LLaVA (behaviour, not timings): a row per configuration and
 prompt group, shares of the prefill worker's time in [0, 1], no verification time where nothing is verified,
 and the 7B cost model's rows."""
 
@@ -9,7 +9,7 @@ from vlkv.common.compression.verify import VerifyConfig
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.deploy.inprocess import InProcessEngine
-from vlkv.tools.bench.verify_cost import (
+from vlkv_lab.bench.verify_cost import (
     CONFIGS,
     Prompt,
     measure,
@@ -66,7 +66,7 @@ def test_the_7b_cost_model_rows():
 
 
 def test_draft_batch_rows_time_both_ways_per_group(engine):
-    from vlkv.tools.bench.draft_batch import draft_batch_rows, draft_batch_table
+    from vlkv_lab.bench.draft_batch import draft_batch_rows, draft_batch_table
 
     prompts = [Prompt("g", question="what colour is the square ?", images=(random_png(i),)) for i in range(3)]
     [row] = draft_batch_rows(engine, prompts, batch=2, steps=4, repeats=1)

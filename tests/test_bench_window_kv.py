@@ -1,9 +1,9 @@
-"""``vlkv bench window-kv`` (tools/bench/window_kv.py): the byte table's arithmetic and the step timing's path."""
+"""``vlkv bench window-kv`` (lab/vlkv_lab/bench/window_kv.py): the byte table's arithmetic and the step timing's path."""
 
 from __future__ import annotations
 
 import pytest
-from vlkv.tools.bench import window_kv as wk
+from vlkv_lab.bench import window_kv as wk
 
 
 def _rows(layout, m, new_tokens=128):

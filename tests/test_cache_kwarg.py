@@ -28,7 +28,7 @@ def test_the_keyword_is_the_one_the_forward_names():
 def test_the_installed_llava_takes_its_cache_without_a_deprecation_warning():
     from transformers import DynamicCache, LlavaForConditionalGeneration
     from vlkv.common.model.cache_kwarg import cache_arg, cache_kwarg
-    from vlkv.tools.task.tiny_llava import build_tiny
+    from vlkv_lab.task.tiny_llava import build_tiny
 
     name = cache_kwarg(LlavaForConditionalGeneration.forward)
     assert name in inspect.signature(LlavaForConditionalGeneration.forward).parameters

@@ -13,14 +13,14 @@ from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
+from vlkv.deploy import synthetic_task
+from vlkv.deploy.cli.main import main
+from vlkv.deploy.client import build_request, generate, png_bytes
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
-from vlkv.tools.calibrate import CANDIDATES, best_per_budget, calibrate, survivors
-from vlkv.tools.calibrate_prompts import read_prompts, write_prompts
-from vlkv.tools.cli import main
-from vlkv.tools.client import build_request, generate, png_bytes
-from vlkv.tools.task import synthetic_task
-from vlkv.tools.zoo import member
+from vlkv_lab.calibrate import CANDIDATES, best_per_budget, calibrate, survivors
+from vlkv_lab.calibrate_prompts import read_prompts, write_prompts
+from vlkv_lab.zoo import member
 
 from tests.calib_prompts import synthetic_prompts
 from tests.inproc_cluster import InProcCluster
@@ -120,8 +120,8 @@ def test_a_screened_calibration_measures_the_survivors_on_every_prompt(tmp_path)
 
 
 def test_the_shared_draft_gives_the_drafts_own_column_sums_once():
-    from vlkv.tools.calibrate import _share_draft
-    from vlkv.tools.eval.evaluation import prepare
+    from vlkv_lab.calibrate import _share_draft
+    from vlkv_lab.eval.evaluation import prepare
 
     model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
     processor = load_processor(str(DEFAULT_MODEL_DIR))
@@ -141,7 +141,7 @@ def test_the_shared_draft_gives_the_drafts_own_column_sums_once():
 
 
 def test_teacher_forcing_the_full_cache_reproduces_its_greedy_decode():
-    from vlkv.tools.eval.evaluation import decode_batch, prepare
+    from vlkv_lab.eval.evaluation import decode_batch, prepare
 
     model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
     processor = load_processor(str(DEFAULT_MODEL_DIR))
@@ -164,7 +164,7 @@ def test_one_forward_teacher_forcing_matches_the_decode_core():
     """``teacher_force`` (every forced token in one forward) gives the decode core's step-by-step
     next-token distributions over the same compressed caches, padded to different lengths in one batch."""
     from vlkv.prefill_worker.teacher_force import forced_logprobs
-    from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
+    from vlkv_lab.eval.evaluation import compress, decode_batch, prepare
 
     model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))
     processor = load_processor(str(DEFAULT_MODEL_DIR))
@@ -302,7 +302,7 @@ def test_the_held_out_check_reads_the_profiles_entry_per_budget(profile_path):
     each with its Wilson interval, and their difference in points."""
     import re
 
-    from vlkv.tools.calibrate_check import check_member
+    from vlkv_lab.calibrate_check import check_member
 
     lines = check_member("default", str(profile_path), 4, BUDGETS)
     assert lines[0].startswith("default (held-out, n=4, full ")

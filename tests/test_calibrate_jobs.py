@@ -11,9 +11,10 @@ import pytest
 import torch
 from vlkv.common.config import DEFAULT_MODEL_DIR, Limits, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
-from vlkv.tools import calibrate as calibrate_module
-from vlkv.tools import calibrate_jobs
-from vlkv.tools.calibrate import (
+from vlkv.deploy.cli.main import main
+from vlkv_lab import calibrate as calibrate_module
+from vlkv_lab import calibrate_jobs
+from vlkv_lab.calibrate import (
     CANDIDATES,
     DEFAULT_RERANK,
     Calibration,
@@ -25,10 +26,9 @@ from vlkv.tools.calibrate import (
     measure_chunk,
     rerank_chunk,
 )
-from vlkv.tools.calibrate_answers import generation_suffix
-from vlkv.tools.calibrate_prompts import read_prompts
-from vlkv.tools.cli import main
-from vlkv.tools.eval.evaluation import prepare
+from vlkv_lab.calibrate_answers import generation_suffix
+from vlkv_lab.calibrate_prompts import read_prompts
+from vlkv_lab.eval.evaluation import prepare
 
 from tests.calib_prompts import synthetic_prompts
 
@@ -101,7 +101,7 @@ def test_two_workers_rerank_as_one_process(prompts, tmp_path):
 def test_rerank_4_is_the_default_and_0_turns_it_off():
     import inspect
 
-    from vlkv.tools.cli import main as cli_main
+    from vlkv.deploy.cli.main import main as cli_main
 
     seen: list[int] = []
 
@@ -110,7 +110,7 @@ def test_rerank_4_is_the_default_and_0_turns_it_off():
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("vlkv.tools.cli.cmd_calibrate", parsed)
+        mp.setattr("vlkv_lab.calibrate_command.cmd_calibrate", parsed)
         cli_main(["calibrate", "--prompts", "p.jsonl"])
         cli_main(["calibrate", "--prompts", "p.jsonl", "--rerank", "0"])
     assert seen == [DEFAULT_RERANK, 0] and DEFAULT_RERANK == 4
@@ -120,8 +120,8 @@ def test_rerank_4_is_the_default_and_0_turns_it_off():
 def test_screening_is_on_by_default_and_screen_0_turns_it_off():
     import inspect
 
-    from vlkv.tools.calibrate import DEFAULT_KEEP, DEFAULT_SCREEN
-    from vlkv.tools.cli import main as cli_main
+    from vlkv.deploy.cli.main import main as cli_main
+    from vlkv_lab.calibrate import DEFAULT_KEEP, DEFAULT_SCREEN
 
     seen: list[tuple[int, int]] = []
 
@@ -130,7 +130,7 @@ def test_screening_is_on_by_default_and_screen_0_turns_it_off():
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("vlkv.tools.cli.cmd_calibrate", parsed)
+        mp.setattr("vlkv_lab.calibrate_command.cmd_calibrate", parsed)
         cli_main(["calibrate", "--prompts", "p.jsonl"])
         cli_main(["calibrate", "--prompts", "p.jsonl", "--screen", "0"])
     assert seen == [(DEFAULT_SCREEN, DEFAULT_KEEP), (0, DEFAULT_KEEP)] and DEFAULT_SCREEN > 0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.tools.client import build_request, generate
+from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import generate_pb2
 
 from tests.inproc_cluster import InProcCluster

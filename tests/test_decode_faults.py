@@ -30,8 +30,8 @@ from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.sequence import Sequence
 from vlkv.decode_worker.server import ENGINE_DIED_EXIT_CODE
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_decode_worker
-from vlkv.tools.client import build_request, generate
 from vlkv.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

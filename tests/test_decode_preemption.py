@@ -21,7 +21,7 @@ from vlkv.decode_worker.engine import DecodeEngine
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.decode_worker.sequence import Sequence
-from vlkv.tools.client import build_request, generate
+from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import generate_pb2, worker_pb2
 
 from tests.inproc_cluster import InProcCluster

@@ -24,8 +24,8 @@ from vlkv.common.model.spec import ModelSpec
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import AdmissionPolicy, AdmissionRefusal, BlockManager, RefusalKind
 from vlkv.decode_worker.kv_cache import block_bytes_of
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
-from vlkv.tools.client import build_request, generate
 
 from tests.inproc_cluster import InProcCluster
 from tests.test_e2e_equality import random_png

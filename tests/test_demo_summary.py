@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from vlkv.decode_worker.block_manager import blocks_needed
-from vlkv.tools.demo_summary import DemoSummary
+from vlkv.deploy.cli.demo_summary import DemoSummary
 from vlkv.v1 import generate_pb2
 
 

@@ -7,7 +7,7 @@ import random
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.model.loading import load_processor
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
-from vlkv.tools.task.tiny_llava import build_tokenizer
+from vlkv_lab.task.tiny_llava import build_tokenizer
 
 from tests.conftest import WORDS
 

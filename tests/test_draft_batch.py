@@ -11,11 +11,11 @@ import pytest
 import torch
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker import draft_batch
 from vlkv.prefill_worker.draft_batch import DraftBatcher
 from vlkv.prefill_worker.draft_queries import run_draft, run_drafts
-from vlkv.tools.client import build_request, generate
 
 from tests.inproc_cluster import InProcCluster
 from tests.test_e2e_equality import random_png

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from vlkv.common.compression.registry import POLICY_NAMES
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.tools.client import build_request, generate
+from vlkv.deploy.client import build_request, generate
 
 from tests.inproc_cluster import InProcCluster
 from tests.test_e2e_equality import random_png

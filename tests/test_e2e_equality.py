@@ -17,8 +17,8 @@ from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.sampling import SamplingConfig
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
-from vlkv.tools.client import build_request, generate
 
 from tests.conftest import TINY_VARIANTS
 from tests.inproc_cluster import InProcCluster

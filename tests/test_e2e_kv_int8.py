@@ -15,8 +15,8 @@ import torch
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.sampling import SamplingConfig
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
-from vlkv.tools.client import build_request, generate
 from vlkv.v1 import worker_pb2
 
 from tests.inproc_cluster import InProcCluster
@@ -81,8 +81,8 @@ def test_status_reports_the_kv_dtype_and_block_bytes(cluster):
 
 def test_vlkv_status_and_metrics_show_the_kv_dtype_and_bytes(cluster, capsys):
     from prometheus_client.utils import floatToGoString
+    from vlkv.deploy.cli.main import main
     from vlkv.services.metrics import serve_metrics
-    from vlkv.tools.cli import main
 
     if cluster.transport != "grpc":
         pytest.skip("once is enough")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from vlkv.tools.cli import main
+from vlkv.deploy.cli.main import main
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ from vlkv.tools.cli import main
     ],
 )
 def test_a_flag_the_mode_ignores_is_refused_by_name(argv, named, capsys, monkeypatch):
-    import vlkv.tools.eval.zoo as zoo
+    import vlkv_lab.eval.zoo as zoo
 
     monkeypatch.setattr(zoo, "run_zoo", lambda args: pytest.fail("the run started"))
     assert main(["eval", *argv]) == 2
@@ -30,7 +30,7 @@ def test_a_flag_the_mode_ignores_is_refused_by_name(argv, named, capsys, monkeyp
 def test_flags_of_the_mode_pass_the_check():
     import argparse
 
-    from vlkv.tools.eval.command import add_eval_parser, misplaced_flags
+    from vlkv_lab.eval.command import add_eval_parser, misplaced_flags
 
     parser = argparse.ArgumentParser()
     add_eval_parser(parser.add_subparsers())

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(
 def test_kv_table_runs_the_long_kind_and_re_compresses_only_when_asked(tmp_path, capsys):
     from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, ModelConfig
     from vlkv.common.model.loading import load_model, load_processor
-    from vlkv.tools.eval.evaluation import evaluate, prepare
-    from vlkv.tools.eval.kv_storage import run_kv_table
-    from vlkv.tools.task.synthetic_task import make_examples
+    from vlkv.deploy.synthetic_task import make_examples
+    from vlkv_lab.eval.evaluation import evaluate, prepare
+    from vlkv_lab.eval.kv_storage import run_kv_table
 
     torch.set_num_threads(2)
     model, processor = load_model(ModelConfig(path=str(DEFAULT_MODEL))), load_processor(str(DEFAULT_MODEL))
@@ -52,7 +52,7 @@ def test_kv_table_runs_the_long_kind_and_re_compresses_only_when_asked(tmp_path,
 
 
 def test_a_one_point_drop_is_exactly_one_point_not_a_float_miss():
-    from vlkv.tools.eval.kv_storage import TARGET_POINTS, _points
+    from vlkv_lab.eval.kv_storage import TARGET_POINTS, _points
 
     assert (289 / 300 - 292 / 300) * 100 < -TARGET_POINTS  # the float noise the rounding removes
     assert _points(289 / 300, 292 / 300) == -TARGET_POINTS

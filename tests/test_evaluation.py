@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from vlkv.common.compression.registry import get_policy
-from vlkv.tools.client import build_request, generate, png_bytes
-from vlkv.tools.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate
-from vlkv.tools.task.synthetic_task import prompt_text
+from vlkv.deploy.client import build_request, generate, png_bytes
+from vlkv.deploy.synthetic_task import prompt_text
+from vlkv_lab.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate
 
 from tests.inproc_cluster import evaluation_cluster
 

@@ -1,12 +1,12 @@
-"""Eviction-robust training masks (tools/task/eviction.py): what the answer may and may not see."""
+"""Eviction-robust training masks (lab/vlkv_lab/task/eviction.py): what the answer may and may not see."""
 
 from __future__ import annotations
 
 import random
 
 import torch
-from vlkv.tools.task.eviction import eviction_masks
-from vlkv.tools.task.synthetic_task import make_example
+from vlkv.deploy.synthetic_task import make_example
+from vlkv_lab.task.eviction import eviction_masks
 
 IMG = 9
 

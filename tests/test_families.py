@@ -16,7 +16,7 @@ from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferCo
 from vlkv.common.errors import ConfigError
 from vlkv.common.model.families import sliding_windows
 from vlkv.common.model.spec import ModelSpec
-from vlkv.tools.client import build_request, generate
+from vlkv.deploy.client import build_request, generate
 
 from tests.conftest import DECODER_VARIANTS
 from tests.inproc_cluster import InProcCluster

@@ -29,7 +29,7 @@ import time
 import grpc
 import pytest
 from vlkv.common.grpc_server import make_sync_channel
-from vlkv.tools.client import build_request, connect, generate
+from vlkv.deploy.client import build_request, connect, generate
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from tests.proc_server import PROC_SECURITY, ServerProcess

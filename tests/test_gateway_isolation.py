@@ -28,8 +28,8 @@ import grpc
 import pytest
 from PIL import Image, ImageDraw
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, QueueConfig, ServerConfig
+from vlkv.deploy.client import build_request, generate, stream
 from vlkv.services.gateway import PUBLIC_CODES
-from vlkv.tools.client import build_request, generate, stream
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

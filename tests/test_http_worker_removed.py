@@ -14,8 +14,8 @@ import grpc
 import openai
 import pytest
 from vlkv.common.config import PoolConfig, TransferConfig
+from vlkv.deploy.client import build_request, connect, generate
 from vlkv.deploy.servers import start_decode_worker, start_gateway, start_prefill_worker
-from vlkv.tools.client import build_request, connect, generate
 
 from tests.test_e2e_equality import random_png
 from tests.test_http_front import MODEL, TOKEN, Front, Q, chat, data_url

@@ -10,10 +10,10 @@ from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import language_model, load_model, load_processor
 from vlkv.common.reuse import ReuseSettings
 from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.deploy.synthetic_task import make_examples
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.reuse_forward import rotate
-from vlkv.tools.task.synthetic_task import make_examples
 
 FULL = CompressionSettings("full", 1.0, 0.01)
 VLCACHE = CompressionSettings("vlcache", 0.5, 0.01)

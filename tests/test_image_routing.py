@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from vlkv.common.config import ModelConfig, ServerConfig
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_prefill_worker
 from vlkv.services.router import BUSY_MARGIN, Router, Worker
-from vlkv.tools.client import build_request, generate
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2
 
 from tests.inproc_cluster import InProcCluster
@@ -182,7 +182,7 @@ def test_the_http_fronts_extra_body_carries_reuse_settings():
 
 
 def test_vlkv_status_prints_each_prefill_cache(cluster, capsys):
-    from vlkv.tools.cli import main
+    from vlkv.deploy.cli.main import main
 
     ask(cluster, "<image> what colour", random_png(76))
     assert main(["status", "--address", cluster.gateway.address]) == 0

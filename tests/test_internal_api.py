@@ -26,7 +26,7 @@ from vlkv.common.config import Limits, ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import Refusal, refusal_of
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.common.request import prepare_request, tensor_to_proto, to_prefill_proto
-from vlkv.tools.client import build_request, generate
+from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

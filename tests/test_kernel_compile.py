@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlkv.tools.bench import cost_model as cm
-from vlkv.tools.bench.kernel_compile import FLOORS, occupancy, problems
-from vlkv.tools.cli import main as cli
+from vlkv.deploy.cli.main import main as cli
+from vlkv.deploy.kernel_compile import FLOORS, occupancy, problems
+from vlkv_lab.bench import cost_model as cm
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
 

@@ -30,9 +30,9 @@ from vlkv.common.handoff.quantize import (  # noqa: E402
 from vlkv.common.handoff.wire import KVWireError, encode_compact_kv  # noqa: E402
 from vlkv.common.sampling import SamplingConfig  # noqa: E402
 from vlkv.decode_worker.kv_cache import block_bytes_of  # noqa: E402
+from vlkv.deploy.client import build_request, generate  # noqa: E402
 from vlkv.deploy.inprocess import InProcessEngine  # noqa: E402
 from vlkv.kernels.paged_decode_reference import fp8_table, paged_decode_reference  # noqa: E402
-from vlkv.tools.client import build_request, generate  # noqa: E402
 
 from tests.inproc_cluster import InProcCluster  # noqa: E402
 from tests.kv_assembler import KVAssembler  # noqa: E402

@@ -1,4 +1,4 @@
-"""The NIXL hand-off between real processes: the decode worker's receiver (``tools/bench/kv_receiver.py``, its
+"""The NIXL hand-off between real processes: the decode worker's receiver (``lab/vlkv_lab/bench/kv_receiver.py``, its
 ``NixlKVReceiver`` and ``Admission`` over a real pool) in a child process, the prefill side's ``NixlKVSender`` here.
 
 Round trips are bit-exact for every KV dtype and per-layer lengths from 1 up; each fault (checksum mismatch,
@@ -27,8 +27,8 @@ from vlkv.common.handoff.nixl_agent import NixlAgent, nixl_available, notif_key,
 from vlkv.common.handoff.nixl_sender import NixlKVSender, StagingPool
 from vlkv.common.handoff.wire import KVWireError, compact_header
 from vlkv.prefill_worker.peers import DecodePeers
-from vlkv.tools.bench.kv_receiver import FINGERPRINT, serve
 from vlkv.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from vlkv_lab.bench.kv_receiver import FINGERPRINT, serve
 
 pytestmark = pytest.mark.skipif(bool(nixl_available()), reason=nixl_available() or "nixl")
 H, D = 2, 8

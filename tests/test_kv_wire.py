@@ -382,7 +382,7 @@ async def _grpc_transfer(ckv, chunks_or_layers, received: list, timeout_s=10.0):
     pool (``kv_receiver``); ``received`` gets each arrived cache read back from the pool. Returns the ack
     (or raises the sender's KVWireError) and the receiver."""
     from vlkv.decode_worker.server import add_decode_servicer
-    from vlkv.tools.bench.kv_receiver import ReceiverServicer
+    from vlkv_lab.bench.kv_receiver import ReceiverServicer
 
     layout = (ckv.num_layers, ckv.num_kv_heads, ckv.head_dim, ckv.dtype)
     servicer = ReceiverServicer(layout, 8 << 20, False, None)
@@ -411,7 +411,7 @@ async def _grpc_transfer(ckv, chunks_or_layers, received: list, timeout_s=10.0):
 
 
 def _receiver_fp():
-    from vlkv.tools.bench.kv_receiver import FINGERPRINT
+    from vlkv_lab.bench.kv_receiver import FINGERPRINT
 
     return FINGERPRINT
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlkv.tools.eval.kvpress_presses import compression_ratio, kept_fraction, kept_mask
-from vlkv.tools.eval.kvpress_report import aggregate, cell_key, merge
-from vlkv.tools.eval.zoo_scoring import wilson
+from vlkv_lab.eval.kvpress_presses import compression_ratio, kept_fraction, kept_mask
+from vlkv_lab.eval.kvpress_report import aggregate, cell_key, merge
+from vlkv_lab.eval.zoo_scoring import wilson
 
 from tests.tiny_llama import tiny_llama
 
@@ -85,7 +85,7 @@ def test_kept_mask_recovers_the_gathered_positions():
 def test_masked_batch_decode_matches_decoding_a_truly_compressed_cache():
     from transformers import DynamicCache
     from vlkv.common.model.cache_kwarg import cache_arg
-    from vlkv.tools.eval.kvpress_decode import greedy, stack_caches
+    from vlkv_lab.eval.kvpress_decode import greedy, stack_caches
 
     model = tiny_llama(2, eos_token_id=1)
     cfg = model.config
@@ -120,7 +120,7 @@ def test_masked_batch_decode_matches_decoding_a_truly_compressed_cache():
 
 
 def test_vlkv_rows_from_the_zoo_json_cut_to_the_items_kvpress_answered():
-    from vlkv.tools.eval.kvpress_report import vlkv_rows
+    from vlkv_lab.eval.kvpress_report import vlkv_rows
 
     zoo = {
         "text needle 1K": {

@@ -3,8 +3,8 @@ their longer question before the answer, ``text_suite.max_new_tokens``), on a ti
 
 from __future__ import annotations
 
-from vlkv.tools.eval.kvpress_suite import Prompt, run
-from vlkv.tools.zoo import text_suite
+from vlkv_lab.eval.kvpress_suite import Prompt, run
+from vlkv_lab.zoo import text_suite
 
 from tests.tiny_llama import tiny_llama
 

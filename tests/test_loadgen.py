@@ -12,9 +12,9 @@ from vlkv.common.errors import ResourceExhausted
 from vlkv.common.model.inputs import decode_images
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.request import render_prompt
-from vlkv.tools.bench.hf_baseline import HFBaselineServicer, start_hf_baseline
-from vlkv.tools.client import build_request, connect, generate
-from vlkv.tools.loadgen import dir_workload, run_load, synthetic_workload
+from vlkv.deploy.client import build_request, connect, generate
+from vlkv_lab.bench.hf_baseline import HFBaselineServicer, start_hf_baseline
+from vlkv_lab.loadgen import dir_workload, run_load, synthetic_workload
 
 from tests.inproc_cluster import InProcCluster
 from tests.test_e2e_equality import random_png

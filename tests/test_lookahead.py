@@ -12,13 +12,13 @@ from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest, compression_from_proto, compression_to_proto
 from vlkv.common.sampling import SamplingConfig
+from vlkv.deploy.client import build_request, generate, png_bytes
+from vlkv.deploy.synthetic_task import prompt_text
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
-from vlkv.tools.client import build_request, generate, png_bytes
-from vlkv.tools.eval.evaluation import compress, compress_with, decode_batch, policy_stats
-from vlkv.tools.task.synthetic_task import prompt_text
 from vlkv.v1 import generate_pb2
+from vlkv_lab.eval.evaluation import compress, compress_with, decode_batch, policy_stats
 
 from tests.inproc_cluster import evaluation_cluster
 

@@ -7,8 +7,8 @@ import urllib.request
 import grpc
 import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.deploy.client import build_request, generate
 from vlkv.services.metrics import serve_metrics
-from vlkv.tools.client import build_request, generate
 from vlkv.v1 import admin_pb2, admin_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster
@@ -77,7 +77,7 @@ def test_log_lines_carry_the_request_id():
 
 
 def test_vlkv_status_prints_workers_pool_and_preemptions(cluster, capsys):
-    from vlkv.tools.cli import main
+    from vlkv.deploy.cli.main import main
 
     assert main(["status", "--address", cluster.gateway.address]) == 0
     out = capsys.readouterr().out

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_decode_worker, start_gateway
-from vlkv.tools.client import build_request, generate
 from vlkv.v1 import generate_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

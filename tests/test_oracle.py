@@ -1,4 +1,4 @@
-"""The oracle ceiling (tools/eval/oracle.py) and the zoo tables' marks and intervals (tools/eval/zoo_report.py)."""
+"""The oracle ceiling (lab/vlkv_lab/eval/oracle.py) and the zoo tables' marks and intervals (lab/vlkv_lab/eval/zoo_report.py)."""
 
 import math
 
@@ -7,11 +7,11 @@ import torch
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.loading import load_model, load_processor
-from vlkv.tools.eval.evaluation import compress, decode_batch, prepare
-from vlkv.tools.eval.oracle import answer_attention, mass_budgets, oracle_cache
-from vlkv.tools.eval.zoo_report import finalize, model_bound, rank_configs, worst_member
-from vlkv.tools.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN, wilson
-from vlkv.tools.task import synthetic_task
+from vlkv.deploy import synthetic_task
+from vlkv_lab.eval.evaluation import compress, decode_batch, prepare
+from vlkv_lab.eval.oracle import answer_attention, mass_budgets, oracle_cache
+from vlkv_lab.eval.zoo_report import finalize, model_bound, rank_configs, worst_member
+from vlkv_lab.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN, wilson
 
 
 @pytest.fixture(scope="module")

@@ -63,8 +63,8 @@ def test_on_a_1k_prompt_it_is_skip32_up_to_5_percent_and_a_superset_of_its_5_per
 
 
 def test_the_ablation_row_is_a_text_preset_row():
-    from vlkv.tools.eval.protocol_kinds import text_rows
-    from vlkv.tools.eval.zoo import ABLATION
+    from vlkv_lab.eval.protocol_kinds import text_rows
+    from vlkv_lab.eval.zoo import ABLATION
 
     rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
     label = f"text-only prompts: preset {Q12}"

@@ -17,7 +17,7 @@ from vlkv.common.model.image_inputs import ImageInputs
 from vlkv.common.model.loading import load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import from_prefill_proto, prepare_request, tensor_to_proto, to_prefill_proto
-from vlkv.tools.client import build_request
+from vlkv.deploy.client import build_request
 from vlkv.v1 import worker_pb2
 
 

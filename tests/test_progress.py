@@ -1,12 +1,12 @@
-"""tools/progress.py: plain periodic lines off a terminal, a tqdm bar on one, nothing when disabled."""
+"""lab/vlkv_lab/progress.py: plain periodic lines off a terminal, a tqdm bar on one, nothing when disabled."""
 
 from __future__ import annotations
 
 import io
 
 import pytest
-from vlkv.tools import progress as progress_mod
-from vlkv.tools.progress import Progress, format_seconds, interval_from_env, progress
+from vlkv_lab import progress as progress_mod
+from vlkv_lab.progress import Progress, format_seconds, interval_from_env, progress
 
 
 class FakeTTY(io.StringIO):

@@ -1,4 +1,4 @@
-"""The tuning protocol (tools/eval/protocol*.py) on made-up zoo results: v2's rules (scores relative to the
+"""The tuning protocol (lab/vlkv_lab/eval/protocol*.py) on made-up zoo results: v2's rules (scores relative to the
 oracle, real members first, leave-one-member-out folds, adoption), v2.1's two dimensions (``text_preset`` on
 the text tasks, every other option on the image members) and the saved JSON read back."""
 
@@ -7,8 +7,8 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from vlkv.tools.eval import protocol
-from vlkv.tools.eval.protocol_kinds import (
+from vlkv_lab.eval import protocol
+from vlkv_lab.eval.protocol_kinds import (
     DIFFERS,
     EQUAL,
     NO_IMAGE_EVIDENCE,
@@ -16,9 +16,9 @@ from vlkv.tools.eval.protocol_kinds import (
     decide_kinds,
     text_rows,
 )
-from vlkv.tools.eval.protocol_rules import CURRENT, choose, decide, load, score
-from vlkv.tools.eval.zoo_report import finalize
-from vlkv.tools.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
+from vlkv_lab.eval.protocol_rules import CURRENT, choose, decide, load, score
+from vlkv_lab.eval.zoo_report import finalize
+from vlkv_lab.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
 
 B = ("0.01", "0.1")
 BUDGETS = (0.01, 0.1)

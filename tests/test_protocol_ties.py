@@ -1,4 +1,4 @@
-"""Protocol v2.2's tie rule (tools/eval/protocol_ties.py): among candidates the scores cannot separate, fewer
+"""Protocol v2.2's tie rule (lab/vlkv_lab/eval/protocol_ties.py): among candidates the scores cannot separate, fewer
 changed answers against the current default, then fewer changed budgets (the resolved policy), then the
 table's order; a score difference is never overridden."""
 
@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 from vlkv.common.compression import get_policy
-from vlkv.tools.eval import protocol
-from vlkv.tools.eval.protocol_kinds import decide_kinds
-from vlkv.tools.eval.protocol_rules import CURRENT, choose
-from vlkv.tools.eval.protocol_ties import budget_changes, recorded, resolved
-from vlkv.tools.eval.zoo_report import finalize
-from vlkv.tools.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
+from vlkv_lab.eval import protocol
+from vlkv_lab.eval.protocol_kinds import decide_kinds
+from vlkv_lab.eval.protocol_rules import CURRENT, choose
+from vlkv_lab.eval.protocol_ties import budget_changes, recorded, resolved
+from vlkv_lab.eval.zoo_report import finalize
+from vlkv_lab.eval.zoo_scoring import FULL, ORACLE_DEFAULT, ORACLE_OWN
 
 BUDGETS = (0.01, 0.1)
 B = tuple(map(str, BUDGETS))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from vlkv.common.compression.allocators import allocator_names
 from vlkv.common.compression.registry import POLICY_NAMES
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.tools.client import build_request, generate
+from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import generate_pb2
 
 from tests.inproc_cluster import InProcCluster

@@ -129,7 +129,7 @@ def test_served_prefill_and_evaluation_pass_the_same_question(tiny_model_dirs, m
     from vlkv.common.config import ModelConfig
     from vlkv.common.model.loading import load_model, load_processor
     from vlkv.prefill_worker.engine import PrefillEngine
-    from vlkv.tools.eval import evaluation
+    from vlkv_lab.eval import evaluation
 
     path = tiny_model_dirs("llava-gqa")
     model, processor = load_model(ModelConfig(path=path)), load_processor(path)
@@ -176,7 +176,7 @@ def test_served_prefill_and_evaluation_pass_the_same_question(tiny_model_dirs, m
     req = PreparedRequest("q", inputs.input_ids, {}, inputs.modality, SamplingConfig(), settings)
     served = engine.run(req).cache
     evaluated = evaluation.compress(prep, "vlcache", 0.3, text_preset="vlcache_text_question")
-    from vlkv.tools.calibrate import _candidate_caches  # vlkv calibrate compresses its candidates alike
+    from vlkv_lab.calibrate import _candidate_caches  # vlkv calibrate compresses its candidates alike
 
     (calibrated,), _ = _candidate_caches(prep, [("question", question_policy, 0.3)], [0.3])
     assert seen == [prep.question] * 3
@@ -188,8 +188,8 @@ def test_served_prefill_and_evaluation_pass_the_same_question(tiny_model_dirs, m
 
 def test_smollm2_chat_prompt_question_is_its_last_paragraph_and_the_template_tail():
     from vlkv.common.model.loading import load_processor
-    from vlkv.tools.zoo import smollm2
-    from vlkv.tools.zoo import text_suite as ts
+    from vlkv_lab.zoo import smollm2
+    from vlkv_lab.zoo import text_suite as ts
 
     processor = load_processor(str(smollm2.text_checkpoint()))
     tok = processor.tokenizer

@@ -26,7 +26,7 @@ from vlkv.common.request import (
     tensor_to_proto,
     to_prefill_proto,
 )
-from vlkv.tools.client import build_request
+from vlkv.deploy.client import build_request
 from vlkv.v1 import worker_pb2
 
 from tests.test_e2e_equality import random_png

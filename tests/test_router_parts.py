@@ -19,8 +19,8 @@ from vlkv.services.strategies import (
     most_room_that_fits,
     pick_prefill,
 )
-from vlkv.tools.sim import vclock
 from vlkv.v1 import worker_pb2
+from vlkv_lab.sim import vclock
 
 
 def _load(

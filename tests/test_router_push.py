@@ -11,8 +11,8 @@ from vlkv.common.errors import ResourceExhausted
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.services import router as router_module
 from vlkv.services.router import Router
-from vlkv.tools.sim import vclock
 from vlkv.v1 import worker_pb2
+from vlkv_lab.sim import vclock
 
 
 class _Pushing:

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig, TransferConfig
 from vlkv.common.grpc_server import make_sync_channel
+from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.services.load_board import Reservation
-from vlkv.tools.client import build_request, generate
 from vlkv.v1 import worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster

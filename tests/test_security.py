@@ -10,8 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vlkv.common.config import ConfigError, ModelConfig, PoolConfig, SecurityConfig, ServerConfig
 from vlkv.common.grpc_server import channel_options
-from vlkv.tools.cli import _add_server_flags, _server_config
-from vlkv.tools.client import build_request, connect, generate
+from vlkv.deploy.cli.cluster import server_config
+from vlkv.deploy.cli.flags import add_server_flags
+from vlkv.deploy.client import build_request, connect, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.inproc_cluster import InProcCluster
@@ -218,7 +219,7 @@ def test_vlkv_serve_draws_an_internal_token_unless_mtls(pki, monkeypatch):
 
     def config(*extra):
         parser = argparse.ArgumentParser()
-        _add_server_flags(parser)
+        add_server_flags(parser)
         args = [
             "--host",
             "0.0.0.0",
@@ -229,7 +230,7 @@ def test_vlkv_serve_draws_an_internal_token_unless_mtls(pki, monkeypatch):
             "--tls-ca",
             pki["ca"],
         ]
-        return _server_config(parser.parse_args([*args, "--api-token", TOKEN, *extra])).security
+        return server_config(parser.parse_args([*args, "--api-token", TOKEN, *extra])).security
 
     drawn = [config().internal_token for _ in range(2)]
     assert all(len(t) >= 32 for t in drawn) and drawn[0] != drawn[1]
@@ -237,8 +238,8 @@ def test_vlkv_serve_draws_an_internal_token_unless_mtls(pki, monkeypatch):
     mtls = config("--mtls")
     assert mtls.mutual_tls and not mtls.internal_token
     parser = argparse.ArgumentParser()
-    _add_server_flags(parser)
-    local = [_server_config(parser.parse_args([])).security.internal_token for _ in range(2)]
+    add_server_flags(parser)
+    local = [server_config(parser.parse_args([])).security.internal_token for _ in range(2)]
     assert all(len(t) >= 32 for t in local) and local[0] != local[1]  # the local mode too
 
 

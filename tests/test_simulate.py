@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from vlkv.tools.sim import trace, vclock
-from vlkv.tools.sim.box_load import load_series, outside
-from vlkv.tools.sim.cluster import SimConfig, Simulation, capacity
-from vlkv.tools.sim.cpu import Dedicated, SharedCPU
-from vlkv.tools.sim.measure import _fit_nonneg
-from vlkv.tools.sim.profile import Profile
-from vlkv.tools.sim.report import flaps, summarize
+from vlkv_lab.sim import trace, vclock
+from vlkv_lab.sim.box_load import load_series, outside
+from vlkv_lab.sim.cluster import SimConfig, Simulation, capacity
+from vlkv_lab.sim.cpu import Dedicated, SharedCPU
+from vlkv_lab.sim.measure import _fit_nonneg
+from vlkv_lab.sim.profile import Profile
+from vlkv_lab.sim.report import flaps, summarize
 
 
 def _profile() -> Profile:

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-from vlkv.tools.task.synthetic_task import Example
-from vlkv.tools.zoo import smol_codes, smol_objects
-from vlkv.tools.zoo.smol_lm import LoraSpec, answer_logits, merge_lora, pack, run_layers
-from vlkv.tools.zoo.smol_vision import BACKGROUND_WORD, GEOM, VisionParts, draw_object, patch_words
+from vlkv.deploy.synthetic_task import Example
+from vlkv_lab.zoo import smol_codes, smol_objects
+from vlkv_lab.zoo.smol_lm import LoraSpec, answer_logits, merge_lora, pack, run_layers
+from vlkv_lab.zoo.smol_vision import BACKGROUND_WORD, GEOM, VisionParts, draw_object, patch_words
 
 from tests.tiny_llama import tiny_llama
 
@@ -67,7 +67,7 @@ def test_vision_parts_leave_the_decoders_attention_implementation_alone():
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_merge_lora_equals_peft_merge_and_reports_the_relative_change():
     peft = pytest.importorskip("peft")
-    from vlkv.tools.zoo.smol_lm import TARGETS, lora_state
+    from vlkv_lab.zoo.smol_lm import TARGETS, lora_state
 
     spec = LoraSpec(first=2, rank=4, alpha=8)
     model = peft.get_peft_model(

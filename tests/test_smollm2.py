@@ -5,7 +5,7 @@ import torch
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import language_model, load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
-from vlkv.tools.zoo import smollm2
+from vlkv_lab.zoo import smollm2
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +67,9 @@ def test_text_wrapper_answers_a_needle_question_through_the_public_api(checkpoin
     from vlkv.common.compression.registry import DEFAULT_POLICY, CompressionSettings
     from vlkv.common.config import PoolConfig, ServerConfig
     from vlkv.common.sampling import SamplingConfig
+    from vlkv.deploy.client import build_request, generate
     from vlkv.deploy.inprocess import InProcessEngine
-    from vlkv.tools.client import build_request, generate
-    from vlkv.tools.zoo import text_suite
+    from vlkv_lab.zoo import text_suite
 
     from tests.inproc_cluster import InProcCluster
 

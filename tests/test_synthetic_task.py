@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlkv.tools.task.synthetic_task import (
+from vlkv.deploy.synthetic_task import (
     COLOURS,
     IMAGE_SIZE,
     KINDS,
@@ -20,8 +20,8 @@ from vlkv.tools.task.synthetic_task import (
     make_examples,
     scene_questions,
 )
-from vlkv.tools.zoo.accuracy import full_cache_answers
-from vlkv.tools.zoo.default import MEMBER
+from vlkv_lab.zoo.accuracy import full_cache_answers
+from vlkv_lab.zoo.default import MEMBER
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "common" / "default_model"
 

@@ -124,8 +124,8 @@ def _params(params: dict) -> dict:
 
 
 def test_the_ablation_row_is_read_by_the_protocol_as_a_text_preset():
-    from vlkv.tools.eval.protocol_kinds import text_rows
-    from vlkv.tools.eval.zoo import ABLATION
+    from vlkv_lab.eval.protocol_kinds import text_rows
+    from vlkv_lab.eval.zoo import ABLATION
 
     rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
     label = f"text-only prompts: preset {BY_BUDGET}"

@@ -61,8 +61,8 @@ def test_lowbudget_is_vlcache_text_without_the_recent_window_and_with_a_gentler_
 
 
 def test_lowbudget_has_an_ablation_row_the_protocol_reads_as_a_text_preset():
-    from vlkv.tools.eval.protocol_kinds import text_rows
-    from vlkv.tools.eval.zoo import ABLATION
+    from vlkv_lab.eval.protocol_kinds import text_rows
+    from vlkv_lab.eval.zoo import ABLATION
 
     rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
     label = "text-only prompts: preset vlcache_text_lowbudget"
@@ -124,8 +124,8 @@ def test_text_span_is_vlcache_lookup_with_a_question_sized_window_and_longer_spa
     ],
 )
 def test_text_preset_rows_the_protocol_reads_as_text_presets(name):
-    from vlkv.tools.eval.protocol_kinds import text_rows
-    from vlkv.tools.eval.zoo import ABLATION
+    from vlkv_lab.eval.protocol_kinds import text_rows
+    from vlkv_lab.eval.zoo import ABLATION
 
     rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
     label = f"text-only prompts: preset {name}"

@@ -1,8 +1,8 @@
 """The real-text suite: deterministic items of the asked length, disjoint splits, scoring."""
 
 import pytest
-from vlkv.tools.zoo import text_ruler
-from vlkv.tools.zoo import text_suite as ts
+from vlkv_lab.zoo import text_ruler
+from vlkv_lab.zoo import text_suite as ts
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from transformers import (
     LlavaNextProcessor,
     LlavaProcessor,
 )
-from vlkv.tools.task.tiny_llava import (
+from vlkv_lab.task.tiny_llava import (
     IMAGE,
     SPECIAL_TOKENS,
     build_processor,
@@ -126,7 +126,7 @@ def test_save_and_reload(tmp_path):
 
 
 def test_chat_template_writes_a_default_system_prompt_only_when_the_chat_has_none():
-    from vlkv.tools.task.tiny_llava import build_tokenizer
+    from vlkv_lab.task.tiny_llava import build_tokenizer
 
     tok = build_tokenizer(["what", "is", "it", "look"], system_prompt="look at it .")
     user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it ?"}]}]

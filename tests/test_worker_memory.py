@@ -1,7 +1,7 @@
 """Workers give memory back (issue 33): after ten 60 MB inputs to the prefill worker and ten 48 MB TransferKV
 chunks to the decode worker, each refused, each worker's resident memory is within 100 MB of where it was
-before them. Real worker processes on loopback (``tools/bench/worker_memory.py``, which also prints the
-figures, split into anonymous and file-backed memory: ``python -m vlkv.tools.bench.worker_memory``).
+before them. Real worker processes on loopback (``lab/vlkv_lab/bench/worker_memory.py``, which also prints the
+figures, split into anonymous and file-backed memory: ``python -m vlkv_lab.bench.worker_memory``).
 
 What a worker keeps is anonymous memory (heap arenas), never file-backed pages: the warm-up (two whole
 requests) already touched the libraries' pages, and the file-backed part of what was kept was 0 MiB in every
@@ -10,10 +10,10 @@ one of 24 runs (2026-11-27), so resident memory is the measure here and its anon
 from __future__ import annotations
 
 import pytest
-from vlkv.tools.bench.worker_memory import measure, table
+from vlkv_lab.bench.worker_memory import measure, table
 
 BOUND = 100_000_000  # bytes kept at most, per worker (issue 33)
-# Kept after ten inputs, 12 runs each (python -m vlkv.tools.bench.worker_memory --runs 12 --settle-s 8 on the
+# Kept after ten inputs, 12 runs each (python -m vlkv_lab.bench.worker_memory --runs 12 --settle-s 8 on the
 # tiny llava-gqa model, 2026-11-27): with the workers' 32 MiB trim threshold, prefill 7 / 36 / 94 MiB
 # (min / median / max), decode 27 / 68 / 81 MiB: the free tops of glibc thread arenas, which malloc_trim never
 # trims and glibc gave back only above 32 MiB each; with 4 MiB (ServerConfig.malloc_trim_mb, the default), prefill

@@ -1,4 +1,4 @@
-"""The model zoo (tools/zoo): every member a row. Its task is deterministic, splits are disjoint and questions
+"""The model zoo (lab/vlkv_lab/zoo): every member a row. Its task is deterministic, splits are disjoint and questions
 well posed; the one ``is_correct`` reads its scored words in order; its shipped checkpoint loads like a user's,
 has the member's geometry and answers held-out questions with the full cache; ``vlkv eval --zoo`` runs."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from vlkv.tools import zoo
-from vlkv.tools.eval.evaluation import evaluate, prepare
-from vlkv.tools.eval.zoo import evaluate_many, run_zoo, worst_member
-from vlkv.tools.task.synthetic_task import COLOURS, NUMBERS, SHAPES, Example
-from vlkv.tools.zoo import MEMBERS, grid16, longprompt, member
-from vlkv.tools.zoo.accuracy import load_member
+from vlkv.deploy.synthetic_task import COLOURS, NUMBERS, SHAPES, Example
+from vlkv_lab import zoo
+from vlkv_lab.eval.evaluation import evaluate, prepare
+from vlkv_lab.eval.zoo import evaluate_many, run_zoo, worst_member
+from vlkv_lab.zoo import MEMBERS, grid16, longprompt, member
+from vlkv_lab.zoo.accuracy import load_member
 
 # --- each member's own task: what its held-out examples must look like ------------------------------------
 
@@ -74,7 +74,7 @@ def _deep8(examples: list[Example]) -> None:
 
 
 def _deep8_sparsity(model, processor, examples) -> None:
-    from vlkv.tools.zoo.sparsity import layer_sparsities
+    from vlkv_lab.zoo.sparsity import layer_sparsities
 
     gamma = layer_sparsities(model, processor, examples)
     assert min(gamma[:2]) < 0.3 and sum(gamma[:2]) / 2 + 0.2 < sum(gamma[-2:]) / 2  # dense early, sparse late
@@ -236,7 +236,7 @@ def test_checkpoint_loads_like_a_user_checkpoint_has_its_geometry_and_answers(na
 @pytest.mark.parametrize("name", [n for n in MEMBERS if ROWS[n].api])
 def test_served_through_the_public_api(name):
     from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-    from vlkv.tools.client import build_request, generate, png_bytes
+    from vlkv.deploy.client import build_request, generate, png_bytes
 
     from tests.inproc_cluster import InProcCluster
 

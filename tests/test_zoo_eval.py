@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vlkv.tools.eval import zoo_text
-from vlkv.tools.eval.zoo import ABLATION, _command, _configs
-from vlkv.tools.eval.zoo_scoring import FULL, _decode_unique
-from vlkv.tools.progress import Progress
+from vlkv_lab.eval import zoo_text
+from vlkv_lab.eval.zoo import ABLATION, _command, _configs
+from vlkv_lab.eval.zoo_scoring import FULL, _decode_unique
+from vlkv_lab.progress import Progress
 
 
 def _cache(*positions):
@@ -124,7 +124,7 @@ def test_rows_filter_picks_ablation_rows_by_label_and_refuses_unknown_ones():
 
 
 def _prepared(seed: int = 0, m: int = 48, tau: int = 16):
-    from vlkv.tools.eval.evaluation import Prepared
+    from vlkv_lab.eval.evaluation import Prepared
 
     g = torch.Generator().manual_seed(seed)
     q = [torch.randn(4, m, 8, generator=g) for _ in range(2)]
@@ -134,7 +134,7 @@ def _prepared(seed: int = 0, m: int = 48, tau: int = 16):
 
 
 def test_a_prefill_kept_without_its_queries_compresses_bit_for_bit_as_before():
-    from vlkv.tools.eval.evaluation import compress
+    from vlkv_lab.eval.evaluation import compress
 
     rows = [("h2o", "h2o", {}), ("snapkv", "snapkv", {}), ("pyramidkv", "pyramidkv", {"pyramid_beta": 2.0})]
     budgets = [0.05, 0.25, 1.0]
@@ -175,7 +175,7 @@ def test_the_runs_bar_weights_an_item_by_its_cost(monkeypatch):
 
 def test_window_off_with_the_full_draft_weight_is_an_image_row():
     from vlkv.common.compression.registry import get_policy
-    from vlkv.tools.eval.protocol_kinds import text_rows
+    from vlkv_lab.eval.protocol_kinds import text_rows
 
     rows = {label: {"policy": p, "params": params} for label, p, params in ABLATION}
     label = "window: none + lookahead 16 (w 1.0)"

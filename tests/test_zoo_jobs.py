@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo --jobs N`` (the tools' one pool, ``tools/pool.py``): worker processes give the serial
+"""``vlkv eval --zoo --jobs N`` (the tools' one pool, ``lab/vlkv_lab/pool.py``): worker processes give the serial
 run's results in its order, and an item that fails in its worker stops the run with its name and error,
 leaving no worker."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vlkv.tools.eval.zoo import run_zoo
-from vlkv.tools.jobs import auto_jobs, parse_jobs
+from vlkv_lab.eval.zoo import run_zoo
+from vlkv_lab.jobs import auto_jobs, parse_jobs
 
 
 def _args(out, jobs, members, **kw) -> SimpleNamespace:
@@ -57,7 +57,7 @@ def test_an_item_that_fails_in_its_worker_stops_the_run_and_names_it(tmp_path, c
 
 @pytest.mark.parametrize("command", [["eval", "--zoo"], ["calibrate", "--prompts", "p.jsonl"]])
 def test_cli_refuses_zero_jobs_before_any_work(command, capsys):
-    from vlkv.tools.cli import main
+    from vlkv.deploy.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main([*command, "--jobs", "0"])

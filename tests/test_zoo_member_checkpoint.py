@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vlkv.tools.zoo import member
-from vlkv.tools.zoo.interface import Member
+from vlkv_lab.zoo import member
+from vlkv_lab.zoo.interface import Member
 
 
 class Loaded(Exception):
@@ -49,7 +49,7 @@ def test_checkpoint_assembles_a_built_member_and_returns_a_shipped_one_as_is(tmp
 
 def test_zoo_run_member_loads_the_assembled_checkpoint(tmp_path, monkeypatch):
     import vlkv.common.model.loading as loading
-    from vlkv.tools.eval import zoo
+    from vlkv_lab.eval import zoo
 
     calls: list = []
     monkeypatch.setattr(zoo, "member", lambda name: fake_member(tmp_path, calls))
@@ -61,8 +61,8 @@ def test_zoo_run_member_loads_the_assembled_checkpoint(tmp_path, monkeypatch):
 
 def test_calibrate_check_loads_the_assembled_checkpoint(tmp_path, monkeypatch):
     import vlkv.common.model.loading as loading
-    import vlkv.tools.zoo as zoo_pkg
-    from vlkv.tools import calibrate_check
+    import vlkv_lab.zoo as zoo_pkg
+    from vlkv_lab import calibrate_check
 
     calls: list = []
     monkeypatch.setattr(zoo_pkg, "member", lambda name: fake_member(tmp_path, calls))

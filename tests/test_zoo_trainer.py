@@ -1,12 +1,12 @@
-"""The one trainer (tools/zoo/trainer.py): a stage trains what it declares, and nothing else, reproducibly."""
+"""The one trainer (lab/vlkv_lab/zoo/trainer.py): a stage trains what it declares, and nothing else, reproducibly."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
-from vlkv.tools.task.synthetic_task import SHAPES, make_example
-from vlkv.tools.zoo.batching import consecutive
-from vlkv.tools.zoo.trainer import Probe, Stage, set_determinism, train
+from vlkv.deploy.synthetic_task import SHAPES, make_example
+from vlkv_lab.zoo.batching import consecutive
+from vlkv_lab.zoo.trainer import Probe, Stage, set_determinism, train
 
 VISION = ("model.vision_tower.", "model.multi_modal_projector.")
 

@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo --verify`` (``tools/eval/zoo_verify.py``) on a tiny random LLaVA posing as a zoo member:
+"""``vlkv eval --zoo --verify`` (``lab/vlkv_lab/eval/zoo_verify.py``) on a tiny random LLaVA posing as a zoo member:
 verifier rows at every budget, ``select`` at exactly its candidates' realized budgets and never raised,
 ``floor`` raised along the doubling chain only, the candidates' curves the zoo's own rows where they are the
 same policy, and the tables and plot written beside the zoo's; without ``--verify`` nothing of it."""
@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 from vlkv.common.compression.verify import VerifyConfig
-from vlkv.tools.eval import zoo, zoo_verify
-from vlkv.tools.eval.zoo import ZOO_BUDGETS, _configs, run_member, run_zoo
-from vlkv.tools.task.synthetic_task import Example
-from vlkv.tools.zoo.interface import Member
+from vlkv.deploy.synthetic_task import Example
+from vlkv_lab.eval import zoo, zoo_verify
+from vlkv_lab.eval.zoo import ZOO_BUDGETS, _configs, run_member, run_zoo
+from vlkv_lab.zoo.interface import Member
 
 N = 2
 COLOURS = ("red", "blue", "green")
@@ -164,12 +164,12 @@ def test_run_zoo_writes_the_verifier_section_and_plot_only_when_asked(tiny_membe
 
 
 def test_verify_without_zoo_is_refused():
-    from vlkv.tools.eval.command import misplaced_flags
+    from vlkv_lab.eval.command import misplaced_flags
 
     assert "--verify" in misplaced_flags(SimpleNamespace(**{**vars(_defaults()), "verify": True}))
 
 
 def _defaults():
-    from vlkv.tools.eval.command import _defaults
+    from vlkv_lab.eval.command import _defaults
 
     return _defaults()

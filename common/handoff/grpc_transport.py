@@ -10,7 +10,7 @@ gRPC flow control: grpc.aio writes one message at a time and ``await``s each wri
 control admits it, so a slow decode worker slows the sender; nothing is buffered without bound.
 Both ends must set message-size limits above the chunk size (``grpc_message_options``) and the sender
 a deadline. The receiving side is the decode worker's ``decode_worker/grpc_receiver.py`` (the tools and
-tests serve it over an in-memory pool through ``tools/bench/kv_receiver.py``).
+tests serve it over an in-memory pool through ``lab/vlkv_lab/bench/kv_receiver.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ prompt (the chat template's generation tail included): in "<context>\\n\\nWhat i
 <|im_start|>assistant\\n" the tokens from "What" on. A policy option (``Policy.question_max``) makes them a
 text-only prompt's observation window. Everything here comes from the tokenizer and its chat template
 (``TurnLayout.from_tokenizer``, once per process), never from a task's wording; the prefill worker
-(``engine.PrefillEngine.run``) and the in-process evaluation (``tools/eval/evaluation.prepare``) both call
+(``engine.PrefillEngine.run``) and the in-process evaluation (``lab/vlkv_lab/eval/evaluation.prepare``) both call
 :func:`question_tokens` on the request's ids with the ``ModelSpec``'s layout, so they pass the same value.
 """
 

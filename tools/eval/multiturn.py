@@ -167,11 +167,11 @@ def _ids(processor, spec: ModelSpec, task: TurnTask, ex: TurnExample) -> list[in
     return inputs.input_ids.reshape(-1).tolist()
 
 
-def _score(model, processor, prepared, caches: list[CompactKV], max_new: int) -> tuple[list[bool], list[str]]:
-    eos = {processor.tokenizer.eos_token_id}
-    outs = decode_batch(model, caches, max_new, eos)
+def _score(model, processor, prepared, caches: list[CompactKV], max_new: int):
+    """``(right, texts, token ids)`` of the caches' greedy answers, decoded together."""
+    outs = decode_batch(model, caches, max_new, {processor.tokenizer.eos_token_id})
     texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
-    return [p.task.is_correct(t, p.example) for p, t in zip(prepared, texts, strict=True)], texts
+    return [p.task.is_correct(t, p.example) for p, t in zip(prepared, texts, strict=True)], texts, outs
 
 
 def run_suite(model, processor, chats: list[Chat], task: TurnTask, budgets, max_new: int, log=print) -> dict:
@@ -190,10 +190,7 @@ def run_suite(model, processor, chats: list[Chat], task: TurnTask, budgets, max_
         ids = [_ids(processor, spec, task, ex) for ex in exs]
         prepared = prepare(model, processor, exs, progress=False, task=task, next_attention=False)
         full = [compress(p, "full", 1.0) for p in prepared]
-        eos = {processor.tokenizer.eos_token_id}
-        full_ids = decode_batch(model, full, max_new, eos)
-        texts = [processor.tokenizer.decode(o, skip_special_tokens=True) for o in full_ids]
-        right_full = [p.task.is_correct(t, p.example) for p, t in zip(prepared, texts, strict=True)]
+        right_full, texts, full_ids = _score(model, processor, prepared, full, max_new)
         attention = [answer_attention(model, p, a) for p, a in zip(prepared, full_ids, strict=True)]
         rows: dict = {}
         for b in budgets:
@@ -220,7 +217,7 @@ def run_suite(model, processor, chats: list[Chat], task: TurnTask, budgets, max_
             carried[b] = cont
             cell = {"full": {"right": right_full, "ratio": 1.0, "texts": texts}}
             for arm, caches in (("recompress", rc), ("continue", cont), ("oracle", orc)):
-                right, arm_texts = _score(model, processor, prepared, caches, max_new)
+                right, arm_texts, _ = _score(model, processor, prepared, caches, max_new)
                 ratio = sum(c.compression_ratio for c in caches) / len(caches)
                 cell[arm] = {"right": right, "ratio": ratio, "texts": arm_texts}
             rows[str(b)] = cell

@@ -44,6 +44,7 @@ from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
 from vlkv.prefill_worker.continuation import append_tokens
+
 from vlkv_lab.eval.evaluation import compress, decode_batch, prepare
 from vlkv_lab.eval.oracle import answer_attention, oracle_cache
 from vlkv_lab.zoo import text_ruler

@@ -4,7 +4,7 @@ VLCache (``002``): ratios ``r_l`` in ``{0, 0.1, ..., 1}``, non-increasing with d
 layer l+1 was recomputed in layer l, so its hidden state exists), chosen greedily to minimise
 ``sum_l S_l(r_l)`` under ``sum_l r_l <= ratio * L``: each step raises by 0.1 the layer (among those the
 monotone constraint allows) whose sensitivity drops most. ``S_l(r)`` is measured by ``vlkv calibrate-reuse``
-(``lab/vlkv_lab/calibrate_reuse.py``) and stored as JSON beside the model (``CALIBRATION_FILE``); without that file
+(``deploy/calibrate/reuse.py``) and stored as JSON beside the model (``CALIBRATION_FILE``); without that file
 the documented default (``default_sensitivity``) is used: layer 0 insensitive (the K/V it computes for
 image tokens do not depend on the text before the image; ``vlkv calibrate-reuse`` measures it flat),
 deeper layers ``S_l(r) = (1 - (l - 1) / L) * (1 - r)^2`` (shallower more sensitive, returns diminishing

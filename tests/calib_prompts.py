@@ -8,7 +8,7 @@ from pathlib import Path
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.model.loading import load_processor
 from vlkv.deploy import synthetic_task
-from vlkv_lab.calibrate_prompts import write_prompts
+from vlkv.deploy.calibrate.prompts import write_prompts
 
 
 def synthetic_prompts(out: Path, count: int, seed: int) -> Path:

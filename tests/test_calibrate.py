@@ -14,12 +14,12 @@ from vlkv.common.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, Pool
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy import synthetic_task
+from vlkv.deploy.calibrate.measure import CANDIDATES, best_per_budget, calibrate, survivors
+from vlkv.deploy.calibrate.prompts import read_prompts, write_prompts
 from vlkv.deploy.cli.main import main
 from vlkv.deploy.client import build_request, generate, png_bytes
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
-from vlkv_lab.calibrate import CANDIDATES, best_per_budget, calibrate, survivors
-from vlkv_lab.calibrate_prompts import read_prompts, write_prompts
 from vlkv_lab.zoo import member
 
 from tests.calib_prompts import synthetic_prompts
@@ -120,7 +120,7 @@ def test_a_screened_calibration_measures_the_survivors_on_every_prompt(tmp_path)
 
 
 def test_the_shared_draft_gives_the_drafts_own_column_sums_once():
-    from vlkv_lab.calibrate import _share_draft
+    from vlkv.deploy.calibrate.measure import _share_draft
     from vlkv_lab.eval.evaluation import prepare
 
     model = load_model(ModelConfig(path=str(DEFAULT_MODEL_DIR)))

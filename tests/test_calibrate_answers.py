@@ -1,4 +1,4 @@
-"""``vlkv calibrate --rerank``'s answer recall (``lab/vlkv_lab/calibrate_answers.py``): the question from the rendered
+"""``vlkv calibrate --rerank``'s answer recall (``deploy/calibrate/answers.py``): the question from the rendered
 prompt, the retrieved words of the full cache's answer, the recall and its fallback; the ranking with the
 rule on and off on scripted rows; the optional column in the profile and its table; one small run end to
 end."""
@@ -14,8 +14,7 @@ from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.model.loading import load_processor
 from vlkv.deploy import synthetic_task
-from vlkv_lab.calibrate import CANDIDATES, best_per_budget, calibrate, format_table, rerank_set
-from vlkv_lab.calibrate_answers import (
+from vlkv.deploy.calibrate.answers import (
     answer_recall,
     generation_suffix,
     question_of,
@@ -23,7 +22,8 @@ from vlkv_lab.calibrate_answers import (
     retrieved_words,
     words,
 )
-from vlkv_lab.calibrate_prompts import write_prompts
+from vlkv.deploy.calibrate.measure import CANDIDATES, best_per_budget, calibrate, format_table, rerank_set
+from vlkv.deploy.calibrate.prompts import write_prompts
 
 CHATML = "<|im_end|>\n<|im_start|>assistant\n"
 NEEDLE = (

@@ -8,7 +8,7 @@ import pytest
 from vlkv.common.compression.presets import PRESETS
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, profile_from_dict
 from vlkv.common.compression.registry import policy_from_dict
-from vlkv_lab.calibrate import CANDIDATES, Calibration, best_per_budget, format_table, survivors
+from vlkv.deploy.calibrate.measure import CANDIDATES, Calibration, best_per_budget, format_table, survivors
 
 
 def _profile(rows) -> dict:

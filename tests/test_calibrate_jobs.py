@@ -11,10 +11,10 @@ import pytest
 import torch
 from vlkv.common.config import DEFAULT_MODEL_DIR, Limits, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
-from vlkv.deploy.cli.main import main
-from vlkv_lab import calibrate as calibrate_module
-from vlkv_lab import calibrate_jobs
-from vlkv_lab.calibrate import (
+from vlkv.deploy.calibrate import jobs as calibrate_jobs
+from vlkv.deploy.calibrate import measure as calibrate_module
+from vlkv.deploy.calibrate.answers import generation_suffix
+from vlkv.deploy.calibrate.measure import (
     CANDIDATES,
     DEFAULT_RERANK,
     Calibration,
@@ -26,8 +26,8 @@ from vlkv_lab.calibrate import (
     measure_chunk,
     rerank_chunk,
 )
-from vlkv_lab.calibrate_answers import generation_suffix
-from vlkv_lab.calibrate_prompts import read_prompts
+from vlkv.deploy.calibrate.prompts import read_prompts
+from vlkv.deploy.cli.main import main
 from vlkv_lab.eval.evaluation import prepare
 
 from tests.calib_prompts import synthetic_prompts
@@ -110,7 +110,7 @@ def test_rerank_4_is_the_default_and_0_turns_it_off():
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("vlkv_lab.calibrate_command.cmd_calibrate", parsed)
+        mp.setattr("vlkv.deploy.calibrate.command.cmd_calibrate", parsed)
         cli_main(["calibrate", "--prompts", "p.jsonl"])
         cli_main(["calibrate", "--prompts", "p.jsonl", "--rerank", "0"])
     assert seen == [DEFAULT_RERANK, 0] and DEFAULT_RERANK == 4
@@ -120,8 +120,8 @@ def test_rerank_4_is_the_default_and_0_turns_it_off():
 def test_screening_is_on_by_default_and_screen_0_turns_it_off():
     import inspect
 
+    from vlkv.deploy.calibrate.measure import DEFAULT_KEEP, DEFAULT_SCREEN
     from vlkv.deploy.cli.main import main as cli_main
-    from vlkv_lab.calibrate import DEFAULT_KEEP, DEFAULT_SCREEN
 
     seen: list[tuple[int, int]] = []
 
@@ -130,7 +130,7 @@ def test_screening_is_on_by_default_and_screen_0_turns_it_off():
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("vlkv_lab.calibrate_command.cmd_calibrate", parsed)
+        mp.setattr("vlkv.deploy.calibrate.command.cmd_calibrate", parsed)
         cli_main(["calibrate", "--prompts", "p.jsonl"])
         cli_main(["calibrate", "--prompts", "p.jsonl", "--screen", "0"])
     assert seen == [(DEFAULT_SCREEN, DEFAULT_KEEP), (0, DEFAULT_KEEP)] and DEFAULT_SCREEN > 0

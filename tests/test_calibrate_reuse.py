@@ -8,12 +8,12 @@ import shutil
 
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
+from vlkv.deploy.calibrate import reuse as calibrate_reuse
 from vlkv.deploy.cli.main import main
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.image_reuse import ImageReuser
 from vlkv.prefill_worker.reuse_schedule import CALIBRATION_FILE, greedy_ratios, layer_ratios
-from vlkv_lab import calibrate_reuse
 
 
 def test_calibration_is_measured_stored_as_json_and_used(tmp_path):

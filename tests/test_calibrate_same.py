@@ -12,8 +12,15 @@ from vlkv.common.compression.presets import PRESETS
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, profile_from_dict
 from vlkv.common.compression.registry import policy_from_dict
 from vlkv.common.config import DEFAULT_MODEL_DIR
-from vlkv_lab import calibrate as cal
-from vlkv_lab.calibrate import CANDIDATES, Calibration, calibrate, format_table, rerank_set, survivors
+from vlkv.deploy.calibrate import measure as cal
+from vlkv.deploy.calibrate.measure import (
+    CANDIDATES,
+    Calibration,
+    calibrate,
+    format_table,
+    rerank_set,
+    survivors,
+)
 
 LABELS = [label for label, _ in CANDIDATES]
 

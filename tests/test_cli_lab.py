@@ -45,7 +45,7 @@ def test_every_command_is_the_products_or_the_labs_and_listed_once():
     assert not set(PRODUCT) & set(cli_lab.COMMANDS)
 
 
-@pytest.mark.parametrize("command", ["eval", "bench", "calibrate", "calibrate-reuse", "simulate", "profile"])
+@pytest.mark.parametrize("command", ["eval", "bench", "simulate", "profile"])
 def test_a_lab_command_has_the_same_parser_in_vlkv_and_vlkv_lab(command, capsys):
     through_vlkv = _help([command, "--help"], capsys)
     own = _help([command, "--help"], capsys, entry=lab_cli.main)
@@ -71,3 +71,6 @@ def test_without_the_lab_its_commands_exit_2_saying_how_to_install_it():
     assert all(name in words for name in ORDER) and "pip install -e lab" in words
     served = _vlkv("status", "--help", hide_lab=True)
     assert served.returncode == 0 and "--events" in served.stdout, served.stderr
+    calibrate = _vlkv("calibrate", "--help", hide_lab=True)  # calibration is the product's
+    assert calibrate.returncode == 0 and "--prompts" in calibrate.stdout, calibrate.stderr
+    assert "lab loaded: False" in calibrate.stdout

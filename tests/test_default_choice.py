@@ -4,7 +4,7 @@ and the zoo's option rows the same policies as before the change (files of both 
 
 from vlkv.common.compression import DraftMass, Pyramid, Uniform, get_policy, preset
 from vlkv.common.compression.registry import policy_from_dict
-from vlkv_lab.calibrate import CANDIDATES
+from vlkv.deploy.calibrate.measure import CANDIDATES
 from vlkv_lab.eval.zoo import ABLATION, PYRAMID_WINDOW, PYRAMID_WINDOW_LABEL
 
 ADOPTED = "allocator: draft mass (w 0.5, pyramid floor in layers 0-1) + window: none"

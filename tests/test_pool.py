@@ -1,4 +1,4 @@
-"""The tools' one worker pool (``lab/vlkv_lab/pool.py``) on tiny items, no model: results in the order given, one
+"""The tools' one worker pool (``deploy/pool.py``) on tiny items, no model: results in the order given, one
 setup per worker across batches; a failed item, a failed setup or a dead worker stops every worker and names
 the item; Ctrl-C and a killed parent leave no worker; and no "leaked semaphore" after a failure or Ctrl-C
 although every worker holds a multiprocessing lock (as tqdm makes one)."""
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from vlkv_lab.pool import START_UP, Pool, WorkerFailed
-from vlkv_lab.progress import Progress
+from vlkv.deploy.pool import START_UP, Pool, WorkerFailed
+from vlkv.deploy.progress import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 

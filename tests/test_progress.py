@@ -1,12 +1,12 @@
-"""lab/vlkv_lab/progress.py: plain periodic lines off a terminal, a tqdm bar on one, nothing when disabled."""
+"""deploy/progress.py: plain periodic lines off a terminal, a tqdm bar on one, nothing when disabled."""
 
 from __future__ import annotations
 
 import io
 
 import pytest
-from vlkv_lab import progress as progress_mod
-from vlkv_lab.progress import Progress, format_seconds, interval_from_env, progress
+from vlkv.deploy import progress as progress_mod
+from vlkv.deploy.progress import Progress, format_seconds, interval_from_env, progress
 
 
 class FakeTTY(io.StringIO):

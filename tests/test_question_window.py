@@ -176,7 +176,9 @@ def test_served_prefill_and_evaluation_pass_the_same_question(tiny_model_dirs, m
     req = PreparedRequest("q", inputs.input_ids, {}, inputs.modality, SamplingConfig(), settings)
     served = engine.run(req).cache
     evaluated = evaluation.compress(prep, "vlcache", 0.3, text_preset="vlcache_text_question")
-    from vlkv_lab.calibrate import _candidate_caches  # vlkv calibrate compresses its candidates alike
+    from vlkv.deploy.calibrate.measure import (
+        _candidate_caches,  # vlkv calibrate compresses its candidates alike
+    )
 
     (calibrated,), _ = _candidate_caches(prep, [("question", question_policy, 0.3)], [0.3])
     assert seen == [prep.question] * 3

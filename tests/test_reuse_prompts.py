@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
+from vlkv.deploy.calibrate.reuse_prompts import random_prefix
 from vlkv.deploy.synthetic_task import SYSTEM_PROMPT
-from vlkv_lab.task.reuse_prompts import random_prefix
 
 
 def test_random_prefix_moves_the_image_and_keeps_the_system_prompt():

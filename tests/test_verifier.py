@@ -208,7 +208,7 @@ def test_calibrate_verifier_is_the_served_verifier_offline(tmp_path):
     """`vlkv calibrate --verifier`: every prompt at every budget through the prefill engine's verifier; the
     profile it writes is what `--learned-profile` loads, with the served ledger's counts."""
     from vlkv.common.config import DEFAULT_MODEL_DIR
-    from vlkv_lab.calibrate_verifier import calibrate_verified, format_learned
+    from vlkv.deploy.calibrate.verifier import calibrate_verified, format_learned
 
     from tests.calib_prompts import synthetic_prompts
 

@@ -104,7 +104,12 @@ def test_the_wheel_holds_the_product_packages_and_its_command_line(wheel):
         "vlkv/deploy/client.py",
         "vlkv/deploy/synthetic_task.py",
         "vlkv/deploy/kernel_compile.py",
+        "vlkv/deploy/pool.py",
+        "vlkv/deploy/progress.py",
     } <= names
+    # Calibration writes the profiles ``vlkv serve`` loads: it ships with the product.
+    for module in ("command", "measure", "prepared", "prompts", "answers", "jobs", "verifier", "reuse"):
+        assert f"vlkv/deploy/calibrate/{module}.py" in names, module
     tops = {n.split("/")[0] for n in names}
     assert tops == {"vlkv", next(t for t in tops if t.endswith(".dist-info"))}, tops
 

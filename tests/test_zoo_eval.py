@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vlkv.deploy.progress import Progress
 from vlkv_lab.eval import zoo_text
 from vlkv_lab.eval.zoo import ABLATION, _command, _configs
 from vlkv_lab.eval.zoo_scoring import FULL, _decode_unique
-from vlkv_lab.progress import Progress
 
 
 def _cache(*positions):

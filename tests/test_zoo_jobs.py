@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo --jobs N`` (the tools' one pool, ``lab/vlkv_lab/pool.py``): worker processes give the serial
+"""``vlkv eval --zoo --jobs N`` (the tools' one pool, ``deploy/pool.py``): worker processes give the serial
 run's results in its order, and an item that fails in its worker stops the run with its name and error,
 leaving no worker."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vlkv.deploy.jobs import auto_jobs, parse_jobs
 from vlkv_lab.eval.zoo import run_zoo
-from vlkv_lab.jobs import auto_jobs, parse_jobs
 
 
 def _args(out, jobs, members, **kw) -> SimpleNamespace:

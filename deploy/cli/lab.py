@@ -1,4 +1,4 @@
-"""The lab's commands (``eval``, ``bench``, ``calibrate``, ``calibrate-reuse``, ``simulate``, ``profile``) on
+"""The lab's commands (``eval``, ``bench``, ``simulate``, ``profile``) on
 the ``vlkv`` command line.
 
 The lab (``vlkv_lab``, ``lab/`` in the repo) is a distribution of its own that the product never imports: its
@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 import sys
 
-COMMANDS = ("eval", "bench", "calibrate", "calibrate-reuse", "simulate", "profile")
+COMMANDS = ("eval", "bench", "simulate", "profile")
 INSTALL = "pip install -e lab"
 
 

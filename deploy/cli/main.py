@@ -1,5 +1,6 @@
-"""The ``vlkv`` command line: the product's commands (serve, generate, demo, status, kernels), each in a
-module of its own, and the lab's (eval, bench, calibrate, ...) when the lab is installed (``lab.py``)."""
+"""The ``vlkv`` command line: the product's commands (serve, generate, demo, status, kernels, calibrate,
+calibrate-reuse), each in a module of its own, and the lab's (eval, bench, simulate, profile) when the lab is
+installed (``lab.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from vlkv.deploy.calibrate import command as calibrate
 from vlkv.deploy.cli import demo, generate, kernels, lab, serve, status
 
 PRODUCT = {
@@ -15,6 +17,8 @@ PRODUCT = {
     "demo": demo.add_parser,
     "status": status.add_parser,
     "kernels": kernels.add_parser,
+    "calibrate": calibrate.add_parser,
+    "calibrate-reuse": calibrate.add_reuse_parser,
 }
 # The order ``vlkv --help`` lists the commands in.
 ORDER = (

@@ -68,10 +68,11 @@ def _member(name: str, n: int, seed: int, rows_at, budgets, chunk: int = 50) -> 
     example, the full cache's answers, every row compressed and decoded through the in-process engine), at
     each budget only the rows ``rows_at(budget)`` (the default and the profile's entry there), without the
     oracle rows this check does not read."""
+    from vlkv.deploy.progress import progress as track
+
     from vlkv_lab.eval.evaluation import prepare
     from vlkv_lab.eval.zoo_report import finalize
     from vlkv_lab.eval.zoo_scoring import full_answers, merge, score_rows
-    from vlkv_lab.progress import progress as track
     from vlkv_lab.zoo import member
     from vlkv_lab.zoo.accuracy import load_member
 

@@ -1,4 +1,4 @@
-"""The lab's commands: ``vlkv-lab eval|bench|calibrate|calibrate-reuse|simulate|profile``, also run as
+"""The lab's commands: ``vlkv-lab eval|bench|simulate|profile``, also run as
 ``vlkv <command>`` (the product's command line finds this module by name when the lab is installed,
 ``deploy/cli/lab.py``)."""
 
@@ -20,18 +20,6 @@ def _add_bench(sub) -> None:
     add_parser(sub)
 
 
-def _add_calibrate(sub) -> None:
-    from vlkv_lab.calibrate_command import add_parser
-
-    add_parser(sub)
-
-
-def _add_calibrate_reuse(sub) -> None:
-    from vlkv_lab.calibrate_command import add_reuse_parser
-
-    add_reuse_parser(sub)
-
-
 def _add_simulate(sub) -> None:
     from vlkv_lab.sim import main as sim_main
 
@@ -48,8 +36,6 @@ def _add_profile(sub) -> None:
 PARSERS = {
     "eval": _add_eval,
     "bench": _add_bench,
-    "calibrate": _add_calibrate,
-    "calibrate-reuse": _add_calibrate_reuse,
     "simulate": _add_simulate,
     "profile": _add_profile,
 }
@@ -57,7 +43,7 @@ PARSERS = {
 
 def build_parser(prog: str = "vlkv-lab") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="vlkv's lab: evaluation, benchmarks, calibration and the cluster simulator"
+        prog=prog, description="vlkv's lab: evaluation, benchmarks and the cluster simulator"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in PARSERS.values():

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import grpc
 from vlkv.deploy.client import png_bytes
+from vlkv.deploy.progress import Progress
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
-
-from vlkv_lab.progress import Progress
 
 MAX_MESSAGE_BYTES = 64 << 20
 FILLER_WORDS = "the square is red . the circle is blue . there are two shapes . a triangle is green .".split()
@@ -283,7 +282,7 @@ class LoadResult:
 
 
 class _Progress:
-    """Requests completed of the total (``lab/vlkv_lab/progress.py``), with calls in flight, errors and tok/s."""
+    """Requests completed of the total (``deploy/progress.py``), with calls in flight, errors and tok/s."""
 
     def __init__(self, label: str, target: int | None, enabled: bool) -> None:
         self.sent = self.done = self.errors = self.tokens = 0

@@ -38,10 +38,10 @@ import grpc
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.grpc_server import make_channel, make_sync_channel
 from vlkv.common.security import SecurityConfig, draw_internal_token
+from vlkv.deploy.progress import Progress, progress
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, worker_pb2, worker_pb2_grpc
 
 from vlkv_lab.loadgen import LoadResult, format_summary, run_load, synthetic_workload
-from vlkv_lab.progress import Progress, progress
 
 SYSTEMS = {
     "a": "(a) vlkv, vlcache 10%",

@@ -36,13 +36,12 @@ from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import DEFAULT_MODEL_DIR, ModelConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.reuse import ReuseSettings
+from vlkv.deploy.calibrate.reuse_prompts import prompt_with_prefix, random_prefix
 from vlkv.deploy.client import build_request, png_bytes
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.synthetic_task import Example, is_correct, make_examples, scene_questions
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
-
-from vlkv_lab.task.reuse_prompts import prompt_with_prefix, random_prefix
 
 FULL = CompressionSettings("full", 1.0, 0.01)
 VL10 = CompressionSettings("vlcache", 0.1, 0.01)

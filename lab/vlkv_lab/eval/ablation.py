@@ -20,10 +20,11 @@ from vlkv.common.compression.registry import get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
+from vlkv.deploy.calibrate.prepared import Recorder
+from vlkv.deploy.progress import progress as track
 from vlkv.deploy.synthetic_task import GRID, SHAPES, SPAN, TOKENS_PER_IMAGE, is_correct, prompt_text
 
-from vlkv_lab.eval.evaluation import _Recorder, cache_hit_rate, compress, evaluate_caches, policy_stats
-from vlkv_lab.progress import progress as track
+from vlkv_lab.eval.evaluation import cache_hit_rate, compress, evaluate_caches, policy_stats
 
 BUDGETS = (0.05, 0.10, 0.20)
 # (label, policy, params): scorer and allocator swapped one at a time around vlcache
@@ -90,7 +91,7 @@ def deciding_attention(model, processor, prep, pos: Positions) -> list[torch.Ten
     the deciding word) over the prompt, teacher-forced with the reference answer."""
     answer = processor.tokenizer(prep.example.answer, add_special_tokens=False).input_ids
     ids = torch.cat([pos.inputs.input_ids, torch.tensor([answer[:2]])], dim=1)
-    rec = _Recorder()
+    rec = Recorder()
     model(input_ids=ids, vlkv_stats=rec, **pos.inputs.model_kwargs)
     out = []
     for layer in sorted(rec.q):

@@ -41,6 +41,7 @@ from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.deploy.client import build_request, generate, png_bytes
+from vlkv.deploy.progress import progress as track
 from vlkv.deploy.servers import (
     load_compression_profile,
     start_decode_worker,
@@ -51,7 +52,6 @@ from vlkv.v1 import generate_pb2_grpc
 
 from vlkv_lab.eval.evaluation import prepare
 from vlkv_lab.eval.zoo_scoring import DECODE_CHUNK, FULL, full_answers, score_rows, wilson
-from vlkv_lab.progress import progress as track
 
 
 @dataclass

@@ -20,10 +20,10 @@ from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy.client import png_bytes
 from vlkv.deploy.inprocess import InProcessEngine
+from vlkv.deploy.progress import progress as track
 
 from vlkv_lab.eval.api_check import _question, _target, ask_served
 from vlkv_lab.eval.zoo_scoring import wilson
-from vlkv_lab.progress import progress as track
 
 
 def _in_process(model, processor, examples, budgets, mode: str, max_new: int) -> dict:

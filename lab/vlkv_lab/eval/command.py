@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from vlkv.common.config import DEFAULT_MODEL_DIR, DEFAULT_PROMPT_WEIGHT
 from vlkv.deploy.cli.flags import POLICY_HELP
-
-from vlkv_lab.jobs import jobs_flag
+from vlkv.deploy.jobs import jobs_flag
 
 # Flags that only one mode reads; given to another mode they would be ignored without a word.
 API_ONLY = (

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.deploy.progress import progress as track
 
 from vlkv_lab.eval.kvpress_decode import greedy, stack_caches
 from vlkv_lab.eval.kvpress_presses import MODES, PRESSES, Job, PressHook, compression_ratio
-from vlkv_lab.progress import progress as track
 
 
 @dataclass

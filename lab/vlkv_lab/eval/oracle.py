@@ -18,8 +18,7 @@ from vlkv.common.compression.windows import binding_windows, fit_windows
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.cache_kwarg import cache_arg
 from vlkv.common.model.prompt_cache import prompt_cache
-
-from vlkv_lab.eval.evaluation import EVAL_NEW_TOKENS, Prepared, _Recorder
+from vlkv.deploy.calibrate.prepared import EVAL_NEW_TOKENS, Prepared, Recorder
 
 
 @torch.inference_mode()
@@ -34,7 +33,7 @@ def answer_attention(model, prep: Prepared, answer_ids: list[int]) -> list[torch
     cache = prompt_cache(model, keys, values)
     device = keys[0].device
     t = len(inputs)
-    rec = _Recorder()
+    rec = Recorder()
     model(
         input_ids=torch.tensor([inputs], device=device),
         **cache_arg(model, cache),

@@ -9,10 +9,10 @@ from pathlib import Path
 from vlkv.common.compression.registry import POLICY_NAMES, get_policy
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
+from vlkv.deploy.progress import progress as track
 from vlkv.deploy.synthetic_task import make_examples
 
 from vlkv_lab.eval.evaluation import cache_hit_rate, evaluate, prepare
-from vlkv_lab.progress import progress as track
 
 TABLE_BUDGETS = (0.01, 0.02, 0.05, 0.10, 0.20, 1.0)
 HIT_RATE_POLICIES = ("vlcache", "h2o", "zipcache", "snapkv", "streamingllm", "random")

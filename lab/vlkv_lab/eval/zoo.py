@@ -12,7 +12,7 @@ budget and counts the answers that differ from the in-process ones. ``--ablation
 vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``;
 ``--rows`` runs some of them; ``vlkv eval --protocol`` reads the JSON files, ``protocol.py``). ``--jobs N``
 (default ``auto``: both cores here) runs the members and the text suite's (task, length) groups in N worker
-processes of one torch thread each, the longest first (the tools' one pool, ``lab/vlkv_lab/pool.py``), with the same
+processes of one torch thread each, the longest first (the tools' one pool, ``deploy/pool.py``), with the same
 results and tables.
 
 Tables (``zoo_report.py``): n and a 95% Wilson interval per figure; eviction-trained members and model-bound
@@ -33,6 +33,10 @@ from pathlib import Path
 from vlkv.common.compression.presets import PRESETS, preset_params
 from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
 from vlkv.common.config import ModelConfig
+from vlkv.deploy.jobs import parse_jobs
+from vlkv.deploy.pool import Pool, WorkerFailed
+from vlkv.deploy.progress import Progress
+from vlkv.deploy.progress import progress as track
 
 from vlkv_lab.eval import zoo_report, zoo_verify
 from vlkv_lab.eval.evaluation import prepare
@@ -49,10 +53,6 @@ from vlkv_lab.eval.zoo_text import (
     text_name,
     text_weight,
 )
-from vlkv_lab.jobs import parse_jobs
-from vlkv_lab.pool import Pool, WorkerFailed
-from vlkv_lab.progress import Progress
-from vlkv_lab.progress import progress as track
 from vlkv_lab.zoo import MEMBERS, member, text_suite
 from vlkv_lab.zoo.accuracy import load_member
 
@@ -419,7 +419,7 @@ def run_zoo(args) -> int:
 
 @dataclass(frozen=True)
 class Item:
-    """One work item of ``--jobs N`` (``lab/vlkv_lab/pool.py``): a member, or one text task at one length."""
+    """One work item of ``--jobs N`` (``deploy/pool.py``): a member, or one text task at one length."""
 
     key: str
     """Its name in the tables (``results``)."""

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
+from vlkv.deploy.progress import Progress
+from vlkv.deploy.progress import progress as track
 
 from vlkv_lab.eval.evaluation import prepare
 from vlkv_lab.eval.zoo_scoring import FULL, full_answers, merge, score_rows, wilson
-from vlkv_lab.progress import Progress
-from vlkv_lab.progress import progress as track
 from vlkv_lab.zoo import text_suite as ts
 
 MIN_FULL = 0.9
@@ -147,7 +147,7 @@ def run_item(
     bar: Progress | None = None,
 ) -> tuple[str, dict]:
     """``(name, result)`` of one (task, length) on the loaded text model: one of ``run_text``'s, which
-    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``lab/vlkv_lab/pool.py``). bar: the run's one bar,
+    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``deploy/pool.py``). bar: the run's one bar,
     told of ``text_weight(length)`` steps for each of ``run_task``'s."""
     t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
     steps = None if bar is None else Steps(bar, text_weight(length))

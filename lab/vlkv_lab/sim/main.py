@@ -16,7 +16,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from vlkv_lab.progress import Progress
+from vlkv.deploy.progress import Progress
+
 from vlkv_lab.sim import trace as traces
 from vlkv_lab.sim import vclock
 from vlkv_lab.sim.box_load import load_series

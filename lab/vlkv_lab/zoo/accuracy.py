@@ -17,9 +17,9 @@ import json
 from collections import Counter
 
 import torch
+from vlkv.deploy.progress import progress
 from vlkv.deploy.synthetic_task import Example
 
-from vlkv_lab.progress import progress
 from vlkv_lab.zoo import MEMBERS, member
 from vlkv_lab.zoo.interface import Member
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vlkv.deploy.progress import progress
 from vlkv.deploy.synthetic_task import COLOURS
 
-from vlkv_lab.progress import progress
 from vlkv_lab.zoo.accuracy import full_cache_accuracy
 from vlkv_lab.zoo.batching import Chat, collate
 from vlkv_lab.zoo.interface import Member

@@ -7,8 +7,7 @@ from __future__ import annotations
 import sys
 
 from vlkv.common.config import DEFAULT_MODEL_DIR
-
-from vlkv_lab.jobs import jobs_flag
+from vlkv.deploy.jobs import jobs_flag
 
 
 def add_parser(sub) -> None:
@@ -21,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--prompts",
         required=True,
-        help="JSONL, one public-API request per line (lab/vlkv_lab/calibrate_prompts.py)",
+        help="JSONL, one public-API request per line (deploy/calibrate/prompts.py)",
     )
     p.add_argument("--budgets", default="0.02,0.05,0.1", help="comma-separated budgets in (0, 1)")
     p.add_argument(
@@ -43,7 +42,7 @@ def add_parser(sub) -> None:
         type=int,
         default=12,
         help="successive halving: every candidate on the first N prompts, then per budget only the --keep best "
-        "distinct ones and the default (default 12, lab/vlkv_lab/calibrate.py DEFAULT_SCREEN; 0: every candidate on "
+        "distinct ones and the default (default 12, deploy/calibrate/measure.py DEFAULT_SCREEN; 0: every candidate on "
         "every prompt)",
     )
     p.add_argument(
@@ -102,12 +101,12 @@ def add_reuse_parser(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from vlkv_lab.calibrate import calibrate, format_table
-    from vlkv_lab.pool import WorkerFailed
+    from vlkv.deploy.calibrate.measure import calibrate, format_table
+    from vlkv.deploy.pool import WorkerFailed
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     if args.verifier:
-        from vlkv_lab.calibrate_verifier import calibrate_verified, format_learned
+        from vlkv.deploy.calibrate.verifier import calibrate_verified, format_learned
 
         path, profile, seconds = calibrate_verified(
             args.model, args.prompts, budgets, args.out, args.dtype, args.max_prompts
@@ -143,7 +142,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_calibrate_reuse(args) -> int:
-    from vlkv_lab.calibrate_reuse import run
+    from vlkv.deploy.calibrate.reuse import run
 
     path = run(args.model, n=args.n, seed=args.seed, out=args.out)
     print(f"wrote {path}")

@@ -29,8 +29,8 @@ import time
 from vlkv.common.config import Limits, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
-
-from vlkv_lab.calibrate import (
+from vlkv.deploy.calibrate.answers import generation_suffix
+from vlkv.deploy.calibrate.measure import (
     _examples,
     _RenderedTask,
     keep_for_rerank,
@@ -39,11 +39,10 @@ from vlkv_lab.calibrate import (
     rerank_set,
     survivors,
 )
-from vlkv_lab.calibrate_answers import generation_suffix
-from vlkv_lab.calibrate_prompts import read_prompts
-from vlkv_lab.eval.evaluation import prepare
-from vlkv_lab.pool import InProcess, Pool
-from vlkv_lab.progress import Progress
+from vlkv.deploy.calibrate.prepared import prepare
+from vlkv.deploy.calibrate.prompts import read_prompts
+from vlkv.deploy.pool import InProcess, Pool
+from vlkv.deploy.progress import Progress
 
 FINGERPRINT = "the model's fingerprint"
 """The item that asks a worker for the loaded model's fingerprint (the profile's ``model``)."""

@@ -22,9 +22,8 @@ from vlkv.common.config import Limits, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import prepare_request
+from vlkv.deploy.calibrate.prompts import read_prompts
 from vlkv.prefill_worker.engine import PrefillEngine
-
-from vlkv_lab.calibrate_prompts import read_prompts
 
 LEARNED_FILENAME = "learned_profile.json"
 

@@ -22,14 +22,13 @@ from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import language_model, load_model, load_processor
 from vlkv.common.reuse import ReuseSettings
+from vlkv.deploy.calibrate.reuse_prompts import prompt_with_prefix, random_prefix
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.synthetic_task import make_examples
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.image_reuse import ImageReuser
 from vlkv.prefill_worker.reuse_forward import ReusedImage, reuse_forward, rotate
 from vlkv.prefill_worker.reuse_schedule import CALIBRATION_FILE, STEPS, Calibration
-
-from vlkv_lab.task.reuse_prompts import prompt_with_prefix, random_prefix
 
 FULL = CompressionSettings("full", 1.0, 0.01)
 METRIC = "MSE of the logits over the reference answer's positions (teacher-forced), reused vs full"

@@ -1,7 +1,7 @@
 """``vlkv calibrate``: per budget, the compression settings that agree best with the full cache on a
 checkpoint's own prompts, label-free; writes ``compression_profile.json`` (``common/compression/profile.py``).
 
-For every prompt (``lab/vlkv_lab/calibrate_prompts.py``: public-API requests, no answers), one prefill through the
+For every prompt (``deploy/calibrate/prompts.py``: public-API requests, no answers), one prefill through the
 prefill worker's forward records every layer's Q and K (``evaluation.prepare``). The full cache is decoded
 greedily through the decode core (``InProcessEngine.teacher_force``) to its end token, at most ``tokens``
 tokens (64: the whole answer): the reference tokens and next-token distributions. Then every candidate (``CANDIDATES``: registered options, the paper's
@@ -47,13 +47,12 @@ from vlkv.common.model.inputs import decode_images, input_side
 from vlkv.common.request import render_prompt
 from vlkv.decode_worker.block_manager import blocks_needed
 from vlkv.decode_worker.kv_cache import block_bytes_of
+from vlkv.deploy.calibrate.answers import ANSWER_MARGIN, answer_recall, free_run, question_of
+from vlkv.deploy.calibrate.prepared import BLOCK_SIZE, compress, compress_with, prepare
+from vlkv.deploy.calibrate.prompts import read_prompts
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.teacher_force import agreement
 from vlkv.prefill_worker.verifier import distinct_caches
-
-from vlkv_lab.calibrate_answers import ANSWER_MARGIN, answer_recall, free_run, question_of
-from vlkv_lab.calibrate_prompts import read_prompts
-from vlkv_lab.eval.evaluation import BLOCK_SIZE, compress, compress_with, prepare
 
 DEFAULT_BUDGETS = (0.02, 0.05, 0.1)
 DEFAULT_TOKENS = 64
@@ -455,7 +454,7 @@ def calibrate(
     on the same workers, ranked by their answer recall first (``calibrate_answers.py``; default
     ``DEFAULT_RERANK``, 0: off); the trace's rows
     for them get the recall as a third number."""
-    from vlkv_lab.calibrate_jobs import run_chunks
+    from vlkv.deploy.calibrate.jobs import run_chunks
 
     start = time.perf_counter()
     budgets = tuple(sorted(float(b) for b in budgets))

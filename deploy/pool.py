@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from vlkv_lab.progress import Progress
+from vlkv.deploy.progress import Progress
 
 POLL_S = 0.5
 STOP_S = 10.0

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv.common.compression import (
     POLICY_NAMES,
     PRESETS,
@@ -184,3 +187,27 @@ def test_text_only_prompts_use_an_observation_window():
             older = scores[h, : m - window]
             got = sorted(older[idx[h, : k_l - window]].tolist(), reverse=True)
             assert got == sorted(older.tolist(), reverse=True)[: k_l - window]
+
+
+def test_a_registered_preset_is_known_and_a_taken_name_or_bad_settings_are_refused():
+    from vlkv.common.compression.presets import register
+
+    with pytest.raises(ValueError, match="exists already"):
+        register("vlcache_default", {"policy": "vlcache", "text_window": 3})
+    with pytest.raises(ValueError):
+        register("mine_bad", {"policy": "vlcache", "no_such_option": 1})
+    assert "mine_bad" not in PRESETS
+    register("vlcache_default", PRESETS["vlcache_default"])  # the same again: a re-import, not a clash
+
+
+def test_the_product_ships_only_presets_a_default_candidate_or_baseline_uses():
+    code = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+        "if not getattr(f, '__module__', '').startswith('__editable___vlkv_lab')]\n"
+        "from vlkv.common.compression.presets import PRESETS; print(' '.join(sorted(PRESETS)))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    shipped = set(run.stdout.split())
+    assert "vlcache_text_lean" not in shipped and "vlcache_text_question" not in shipped
+    assert {"vlcache_default", "vlcache_paper", "vlcache_text_by_budget", "vlcache_text_span"} <= shipped

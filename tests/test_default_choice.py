@@ -2,6 +2,7 @@
 layers at least at the pyramid's, no question window kept outright; text-only prompts compressed as before,
 and the zoo's option rows the same policies as before the change (files of both times compare)."""
 
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv.common.compression import DraftMass, Pyramid, Uniform, get_policy, preset
 from vlkv.common.compression.registry import policy_from_dict
 from vlkv.deploy.calibrate.measure import CANDIDATES

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv.common.compression import get_policy, policy_from_dict, preset
 from vlkv.common.compression.selection import post_vision_share
 

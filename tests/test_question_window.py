@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv.common.compression import policy_from_dict, preset
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.model.inputs import prepare_inputs

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv.common.compression import get_policy, policy_from_dict, preset
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, read_profile
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv.common.compression import get_policy, policy_from_dict, preset
 from vlkv.common.compression.allocators import Pyramid
 

@@ -38,6 +38,7 @@ from vlkv.deploy.pool import Pool, WorkerFailed
 from vlkv.deploy.progress import Progress
 from vlkv.deploy.progress import progress as track
 
+import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv_lab.eval import zoo_report, zoo_verify
 from vlkv_lab.eval.evaluation import prepare
 from vlkv_lab.eval.protocol_ties import recorded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vlkv.deploy  # noqa: F401 - before transformers: keeps the checkout's root off sys.path
 from transformers import (
     Gemma3TextConfig,
     LlamaConfig,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import grpc
 import torch
+from kv_assembler import KVAssembler
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2
-
-from tests.kv_assembler import KVAssembler
 
 FP = "0123456789abcdef"
 H, D = 2, 8

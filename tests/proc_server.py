@@ -87,11 +87,11 @@ class ServerProcess:
         self.address_file = workdir / f"{name}.address"
         self.log_path = workdir / f"{name}.log"
         self.address_file.unlink(missing_ok=True)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
         env["VLKV_INTERNAL_TOKEN"] = PROC_SECURITY.internal_token  # one token for every server of a test run
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.proc_server", kind, "--address-file", str(self.address_file)]
+                [sys.executable, "-m", "proc_server", kind, "--address-file", str(self.address_file)]
                 + list(flags),
                 cwd=ROOT,
                 env=env,

@@ -8,14 +8,13 @@ import json
 
 import pytest
 import torch
+from test_allocator_draft_mass import _stats
+from test_compression_policies import L, M
 from vlkv.common.compression import DraftMass, Pyramid, get_policy, policy_from_dict
 from vlkv.common.compression.allocators import allocator_from_dict
 from vlkv.common.compression.budgets import raise_to_floors
 from vlkv.common.compression.lookahead import draft_mass_budgets
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, read_profile
-
-from tests.test_allocator_draft_mass import _stats
-from tests.test_compression_policies import L, M
 
 ALPHAS = [0.01, 0.05, 0.1, 0.37, 0.9]
 

@@ -7,13 +7,12 @@ import json
 
 import pytest
 import torch
+from test_compression_policies import TAU, L, M, make_inputs, stats_for
 from vlkv.common.compression import DraftMass, Pyramid, get_policy, policy_from_dict
 from vlkv.common.compression.allocators import allocator_from_dict
 from vlkv.common.compression.budgets import pyramid_budgets, uniform_budgets
 from vlkv.common.compression.lookahead import draft_gains, draft_mass_budgets, with_draft
 from vlkv.common.compression.registry import CompressionSettings
-
-from tests.test_compression_policies import TAU, L, M, make_inputs, stats_for
 
 
 def _draft_sums(

@@ -5,6 +5,7 @@ and the 7B cost model's rows."""
 from __future__ import annotations
 
 import pytest
+from test_e2e_equality import random_png
 from vlkv.common.compression.verify import VerifyConfig
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
@@ -18,8 +19,6 @@ from vlkv_lab.bench.verify_cost import (
     summarize,
     table,
 )
-
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 

@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from calib_prompts import synthetic_prompts
+from inproc_cluster import InProcCluster
 from vlkv.common.compression.profile import read_profile
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.config import DEFAULT_MODEL_DIR, ConfigError, ModelConfig, PoolConfig, ServerConfig
@@ -21,9 +23,6 @@ from vlkv.deploy.client import build_request, generate, png_bytes
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.deploy.servers import load_compression_profile, start_prefill_worker
 from vlkv_lab.zoo import member
-
-from tests.calib_prompts import synthetic_prompts
-from tests.inproc_cluster import InProcCluster
 
 BUDGETS = (0.05, 0.1)
 

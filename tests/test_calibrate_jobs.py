@@ -9,6 +9,7 @@ import multiprocessing
 
 import pytest
 import torch
+from calib_prompts import synthetic_prompts
 from vlkv.common.config import DEFAULT_MODEL_DIR, Limits, ModelConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.deploy.calibrate import jobs as calibrate_jobs
@@ -29,8 +30,6 @@ from vlkv.deploy.calibrate.measure import (
 from vlkv.deploy.calibrate.prompts import read_prompts
 from vlkv.deploy.cli.main import main
 from vlkv_lab.eval.evaluation import prepare
-
-from tests.calib_prompts import synthetic_prompts
 
 BUDGETS = (0.05, 0.1)
 

@@ -124,7 +124,7 @@ def test_text_only_prompts_compress_each_acting_policy_once_to_the_same_table(tm
 def test_image_prompts_compress_each_acting_policy_once_to_the_same_table(tmp_path, monkeypatch):
     """With an image every option acts, each on its own policy; the rows the text-only options fill are the
     default's (``same_as``), and the shared compressions give the table compressing each one again gives."""
-    from tests.calib_prompts import synthetic_prompts
+    from calib_prompts import synthetic_prompts
 
     prompts = synthetic_prompts(tmp_path, 1, seed=5)
     run = dict(budgets=(0.05,), tokens=4, rerank=0)

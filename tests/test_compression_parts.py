@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
+from test_compression_policies import TAU, L, M, make_inputs, stats_for
 from vlkv.common.compression import (
     POLICY_NAMES,
     PRESETS,
@@ -28,8 +29,6 @@ from vlkv.common.compression import (
     preset_params,
     recent_count,
 )
-
-from tests.test_compression_policies import TAU, L, M, make_inputs, stats_for
 
 
 def assert_same_plans(a, b, seed: int, alpha: float = 0.2) -> None:

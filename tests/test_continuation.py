@@ -9,13 +9,8 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
-from vlkv.common.reuse import ReuseSettings
-from vlkv.prefill_worker.continuation import append_tokens
-from vlkv.prefill_worker.teacher_force import forced_logprobs
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_prefix_cache import (
+from inproc_cluster import InProcCluster
+from test_prefix_cache import (
     VLCACHE,
     chat_request,
     conversation,
@@ -25,6 +20,10 @@ from tests.test_prefix_cache import (
     reference,
     run,
 )
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from vlkv.common.reuse import ReuseSettings
+from vlkv.prefill_worker.continuation import append_tokens
+from vlkv.prefill_worker.teacher_force import forced_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +83,7 @@ def _continue(req):
 
 
 def test_only_a_prompt_that_extends_the_kept_one_of_the_same_tenant_continues():
-    from tests.test_prefix_cache import InProcessEngine, load_model, load_processor
+    from test_prefix_cache import InProcessEngine, load_model, load_processor
 
     cfg = ModelConfig()
     eng = InProcessEngine(load_model(cfg), load_processor(cfg.path))
@@ -108,7 +107,7 @@ def test_only_a_prompt_that_extends_the_kept_one_of_the_same_tenant_continues():
 
 def test_append_tokens_matches_teacher_forcing():
     """The appended forward's logits are teacher forcing's last row; its K/V extend the cache."""
-    from tests.test_prefix_cache import InProcessEngine, load_model, load_processor
+    from test_prefix_cache import InProcessEngine, load_model, load_processor
 
     cfg = ModelConfig()
     eng = InProcessEngine(load_model(cfg), load_processor(cfg.path))

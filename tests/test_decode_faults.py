@@ -18,6 +18,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from inproc_cluster import InProcCluster
+from test_decode_core import FakeRunner
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import InvalidInput
 from vlkv.common.grpc_server import make_sync_channel
@@ -33,10 +36,6 @@ from vlkv.decode_worker.server import ENGINE_DIED_EXIT_CODE
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_decode_core import FakeRunner
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

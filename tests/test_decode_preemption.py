@@ -10,6 +10,8 @@ import time
 import grpc
 import pytest
 import torch
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
 from vlkv.common.handoff.wire import KVWireError, encode_header
 from vlkv.common.model.loading import load_model, load_processor
@@ -23,9 +25,6 @@ from vlkv.decode_worker.model_runner import ModelRunner
 from vlkv.decode_worker.sequence import Sequence
 from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import generate_pb2, worker_pb2
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 BLOCK_BYTES = 1024  # the tiny GQA model: K and V, 2 KV heads, 4 tokens, head dim 16, fp32
 POOL_BLOCKS = 60  # a full-cache prompt (27 tokens, 2 layers) takes 14 blocks, 34 with 40 new tokens

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_e2e_equality import random_png
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.handoff.quantize import quantize_k, quantize_v
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import BlockManager, recompress_budget, recompress_target
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.deploy.inprocess import InProcessEngine
-
-from tests.test_e2e_equality import random_png
 
 
 def test_budget_and_trigger():

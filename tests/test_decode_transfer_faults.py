@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 import torch
+from inproc_cluster import InProcCluster
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.common.handoff.compact_kv import CompactKV
@@ -18,8 +19,6 @@ from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_option
 from vlkv.common.handoff.transport import KVReceiver
 from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ import io
 
 import pytest
 import torch
+from inproc_cluster import InProcCluster
 from PIL import Image
+from test_e2e_equality import random_png
 from vlkv.common.block_math import blocks_needed, ceil_div, dead_blocks, layer_blocks, ring_blocks
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
@@ -26,9 +28,6 @@ from vlkv.decode_worker.block_manager import AdmissionPolicy, AdmissionRefusal, 
 from vlkv.decode_worker.kv_cache import block_bytes_of
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 QUESTION = "what colour is the square ?"
 WINDOW, BLOCK = 8, 4  # the variants' window; small blocks so the ring turns many times

@@ -9,14 +9,13 @@ import time
 import grpc
 import pytest
 import ray
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.autoscaler import PoolSpec
 from vlkv.deploy.client import build_request, connect, generate
 from vlkv.deploy.local import LocalCluster, init_ray
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import random
 
+from conftest import WORDS
 from vlkv.common.config import DEFAULT_MODEL_DIR
 from vlkv.common.model.loading import load_processor
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
 from vlkv_lab.task.tiny_llava import build_tokenizer
-
-from tests.conftest import WORDS
 
 
 def _tokenizers():

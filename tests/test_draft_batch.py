@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.model.loading import load_model, load_processor
 from vlkv.deploy.client import build_request, generate
@@ -16,9 +18,6 @@ from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker import draft_batch
 from vlkv.prefill_worker.draft_batch import DraftBatcher
 from vlkv.prefill_worker.draft_queries import run_draft, run_drafts
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 QUESTIONS = (
     "what colour is the square ?",

@@ -13,15 +13,14 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_VARIANTS
+from inproc_cluster import InProcCluster
 from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
-
-from tests.conftest import TINY_VARIANTS
-from tests.inproc_cluster import InProcCluster
 
 MAX_NEW = 8
 

@@ -12,15 +12,14 @@ import urllib.request
 
 import pytest
 import torch
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.v1 import worker_pb2
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 MAX_NEW = 12
 QUESTION = "what colour is the square ?"

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inproc_cluster import evaluation_cluster
 from vlkv.common.compression.registry import get_policy
 from vlkv.deploy.client import build_request, generate, png_bytes
 from vlkv.deploy.synthetic_task import prompt_text
 from vlkv_lab.eval.evaluation import cache_hit_rate, compress, decode_batch, evaluate
-
-from tests.inproc_cluster import evaluation_cluster
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,15 @@ spec is built, which the gateway and both workers do at start-up.
 from __future__ import annotations
 
 import pytest
+from conftest import DECODER_VARIANTS
+from inproc_cluster import InProcCluster
+from test_e2e_equality import MAX_NEW, random_png, reference_tokens
 from transformers import Gemma3TextConfig, LlavaConfig, Phi3Config
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig
 from vlkv.common.errors import ConfigError
 from vlkv.common.model.families import sliding_windows
 from vlkv.common.model.spec import ModelSpec
 from vlkv.deploy.client import build_request, generate
-
-from tests.conftest import DECODER_VARIANTS
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import MAX_NEW, random_png, reference_tokens
 
 SHORT = "what colour is the square ?"
 LONG = "what colour shape is the square circle triangle red blue green it a there are one two ? " * 2

@@ -28,12 +28,11 @@ import time
 
 import grpc
 import pytest
+from proc_server import PROC_SECURITY, ServerProcess
+from test_e2e_equality import random_png
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.client import build_request, connect, generate
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-from tests.proc_server import PROC_SECURITY, ServerProcess
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 DEADLINE_S = 4.0  # transfer.deadline_s of every process

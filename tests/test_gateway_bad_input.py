@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import generate_pb2
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

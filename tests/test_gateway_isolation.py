@@ -26,14 +26,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from inproc_cluster import InProcCluster
 from PIL import Image, ImageDraw
+from test_e2e_equality import random_png
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, QueueConfig, ServerConfig
 from vlkv.deploy.client import build_request, generate, stream
 from vlkv.services.gateway import PUBLIC_CODES
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -10,6 +10,8 @@ import time
 
 import grpc
 import pytest
+from inproc_cluster import InProcCluster
+from test_decode_transfer_faults import _stream
 from vlkv.common.config import (
     Limits,
     ModelConfig,
@@ -22,9 +24,6 @@ from vlkv.common.config import (
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.prefill_worker.peers import DecodePeers
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_decode_transfer_faults import _stream
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,13 @@ from dataclasses import replace
 
 import openai
 import pytest
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, QueueConfig, ServerConfig, TransferConfig
 from vlkv.common.security import SecurityConfig
 from vlkv.deploy.client import build_request, connect, generate
 from vlkv.deploy.servers import start_gateway, start_http_front
 from vlkv.services.http_front import HttpFrontConfig
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 TOKEN = "s3cret"
 MODEL = "tiny-llava"

@@ -9,10 +9,9 @@ import urllib.request
 
 import openai
 import pytest
+from test_e2e_equality import random_png
+from test_http_front import MAX_BODY_BYTES, MODEL, TOKEN, Front, chat, data_url
 from vlkv.services.openai_schema import MAX_JSON_DEPTH
-
-from tests.test_e2e_equality import random_png
-from tests.test_http_front import MAX_BODY_BYTES, MODEL, TOKEN, Front, chat, data_url
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
+from test_e2e_equality import random_png
+from test_http_front import MAX_IMAGE_BYTES, MODEL, Front, chat, data_url
 from vlkv.services.image_fetch import FetchConfig, ImageFetcher
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.openai_schema import ApiError
-
-from tests.test_e2e_equality import random_png
-from tests.test_http_front import MAX_IMAGE_BYTES, MODEL, Front, chat, data_url
 
 DEADLINE_S = 3.0  # the fetch deadline of these tests
 MARGIN_S = 2.0  # a trickled fetch ends within DEADLINE_S + MARGIN_S; another host's fetch within MARGIN_S

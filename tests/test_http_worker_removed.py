@@ -13,12 +13,11 @@ from dataclasses import replace
 import grpc
 import openai
 import pytest
+from test_e2e_equality import random_png
+from test_http_front import MODEL, TOKEN, Front, Q, chat, data_url
 from vlkv.common.config import PoolConfig, TransferConfig
 from vlkv.deploy.client import build_request, connect, generate
 from vlkv.deploy.servers import start_decode_worker, start_gateway, start_prefill_worker
-
-from tests.test_e2e_equality import random_png
-from tests.test_http_front import MODEL, TOKEN, Front, Q, chat, data_url
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ busier; through the public API, usage reports the hit and the admin API each wor
 from __future__ import annotations
 
 import pytest
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, ServerConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_prefill_worker
 from vlkv.services.router import BUSY_MARGIN, Router, Worker
 from vlkv.v1 import admin_pb2, admin_pb2_grpc, generate_pb2
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 
 def router_with(*loads: int) -> Router:

@@ -20,6 +20,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.compression.allocators import allocator_names
 from vlkv.common.compression.registry import POLICY_NAMES
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, ServerConfig
@@ -28,9 +30,6 @@ from vlkv.common.grpc_server import make_sync_channel
 from vlkv.common.request import prepare_request, tensor_to_proto, to_prefill_proto
 from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 EXAMPLES = int(os.environ.get("VLKV_INTERNAL_FUZZ_EXAMPLES", "300"))
 Q = "what colour is the square ?"
@@ -433,9 +432,8 @@ def _break_stream(data, chunks: list) -> str:
 
 
 def test_fuzz_every_transfer_kv_field(cluster):
+    from test_decode_transfer_faults import _stream
     from vlkv.v1 import kv_pb2
-
-    from tests.test_decode_transfer_faults import _stream
 
     free = cluster.pool.num_free
     transfer = cluster.decode_channel.stream_unary(

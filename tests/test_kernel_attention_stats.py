@@ -20,13 +20,12 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from triton_interpret import INTERPRET, kernel_module  # noqa: E402
 from vlkv.kernels.attention_stats_reference import (  # noqa: E402
     AttentionStats,
     attention_stats_reference,
     unmasked_count,
 )
-
-from tests.triton_interpret import INTERPRET, kernel_module  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():

@@ -15,9 +15,8 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from triton_interpret import INTERPRET, kernel_module  # noqa: E402
 from vlkv.kernels.paged_decode_reference import paged_decode_reference  # noqa: E402
-
-from tests.triton_interpret import INTERPRET, kernel_module  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():

@@ -12,10 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from test_kernel_paged_decode import DEVICE, make_case  # noqa: E402
+from triton_interpret import kernel_module  # noqa: E402
 from vlkv.kernels.paged_decode_reference import paged_decode_reference  # noqa: E402
-
-from tests.test_kernel_paged_decode import DEVICE, make_case  # noqa: E402
-from tests.triton_interpret import kernel_module  # noqa: E402
 
 LENGTHS = [1, 4, 5, 17, 9, 40, 70]
 

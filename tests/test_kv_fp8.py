@@ -14,6 +14,11 @@ import math  # noqa: E402
 import grpc  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from inproc_cluster import InProcCluster  # noqa: E402
+from kv_assembler import KVAssembler  # noqa: E402
+from test_e2e_equality import random_png  # noqa: E402
+from test_kv_quant import LAYOUT, exact, float_cache, int8_case  # noqa: E402
+from triton_interpret import kernel_module  # noqa: E402
 from vlkv.common.compression.registry import CompressionSettings  # noqa: E402
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig, TransferConfig  # noqa: E402
 from vlkv.common.handoff.quantize import (  # noqa: E402
@@ -33,12 +38,6 @@ from vlkv.decode_worker.kv_cache import block_bytes_of  # noqa: E402
 from vlkv.deploy.client import build_request, generate  # noqa: E402
 from vlkv.deploy.inprocess import InProcessEngine  # noqa: E402
 from vlkv.kernels.paged_decode_reference import fp8_table, paged_decode_reference  # noqa: E402
-
-from tests.inproc_cluster import InProcCluster  # noqa: E402
-from tests.kv_assembler import KVAssembler  # noqa: E402
-from tests.test_e2e_equality import random_png  # noqa: E402
-from tests.test_kv_quant import LAYOUT, exact, float_cache, int8_case  # noqa: E402
-from tests.triton_interpret import kernel_module  # noqa: E402
 
 H, D = 2, 16
 

@@ -15,6 +15,8 @@ import math  # noqa: E402
 import grpc  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from kv_assembler import KVAssembler  # noqa: E402
+from triton_interpret import kernel_module  # noqa: E402
 from vlkv.common.handoff.compact_kv import CompactKV  # noqa: E402
 from vlkv.common.handoff.nixl_agent import nixl_available  # noqa: E402
 from vlkv.common.handoff.quantize import (  # noqa: E402
@@ -31,9 +33,6 @@ from vlkv.common.handoff.wire import KVWireError, encode_compact_kv  # noqa: E40
 from vlkv.decode_worker.kv_cache import KVCache, block_bytes_of  # noqa: E402
 from vlkv.kernels.paged_decode_reference import paged_decode_reference  # noqa: E402
 from vlkv.v1 import kv_pb2  # noqa: E402
-
-from tests.kv_assembler import KVAssembler  # noqa: E402
-from tests.triton_interpret import kernel_module  # noqa: E402
 
 H, D, P = 2, 16, 4
 LENGTHS = [1, 3, 4, 9]
@@ -264,8 +263,8 @@ def test_a_worker_of_the_other_kv_dtype_refuses_with_failed_precondition():
 # -- NIXL between processes -----------------------------------------------------------------------------------
 @pytest.mark.skipif(bool(nixl_available()), reason=nixl_available() or "nixl")
 def test_int8_cache_between_processes_over_nixl_and_grpc(tmp_path):
-    from tests.test_kv_nixl import LENGTHS as NIXL_LENGTHS
-    from tests.test_kv_nixl import Receiver, Sender, header_of, make_cache
+    from test_kv_nixl import LENGTHS as NIXL_LENGTHS
+    from test_kv_nixl import Receiver, Sender, header_of, make_cache
 
     r = Receiver(tmp_path, (torch.float32,), kv_dtype="int8")
     try:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from google_crc32c import python as crc32c_python
+from kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
 from vlkv.common.handoff import codec as kv_wire_codec
 from vlkv.common.handoff.codec import CRC32C_IMPLEMENTATION, crc32c, parse_data_wire
 from vlkv.common.handoff.grpc_transport import GrpcKVSender, grpc_message_options
@@ -20,8 +21,6 @@ from vlkv.common.handoff.wire import (
 )
 from vlkv.common.model.spec import ModelSpec, model_fingerprint
 from vlkv.v1 import kv_pb2, worker_pb2
-
-from tests.kv_wire_helpers import FP, FakePool, bits_equal, encode, make_ckv
 
 IA, DL, FPC = (
     grpc.StatusCode.INVALID_ARGUMENT,

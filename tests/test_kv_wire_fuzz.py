@@ -12,11 +12,10 @@ import torch
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from kv_wire_helpers import FakePool, bits_equal, encode, make_ckv
 from vlkv.common.handoff.codec import parse_data_wire
 from vlkv.common.handoff.wire import KVWireError
 from vlkv.v1 import kv_pb2
-
-from tests.kv_wire_helpers import FakePool, bits_equal, encode, make_ckv
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BIG = st.integers(0, 2**32 - 1)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_llama import tiny_llama
 from vlkv_lab.eval.kvpress_presses import compression_ratio, kept_fraction, kept_mask
 from vlkv_lab.eval.kvpress_report import aggregate, cell_key, merge
 from vlkv_lab.eval.zoo_scoring import wilson
-
-from tests.tiny_llama import tiny_llama
 
 
 @pytest.mark.parametrize("budget", [0.01, 0.02, 0.05, 0.1, 0.5, 1.0])

@@ -3,10 +3,9 @@ their longer question before the answer, ``text_suite.max_new_tokens``), on a ti
 
 from __future__ import annotations
 
+from tiny_llama import tiny_llama
 from vlkv_lab.eval.kvpress_suite import Prompt, run
 from vlkv_lab.zoo import text_suite
-
-from tests.tiny_llama import tiny_llama
 
 
 class _Chars:

@@ -7,6 +7,8 @@ import threading
 
 import pytest
 import torch
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import Limits, ModelConfig, PoolConfig, ServerConfig
 from vlkv.common.errors import ResourceExhausted
 from vlkv.common.model.inputs import decode_images
@@ -15,9 +17,6 @@ from vlkv.common.request import render_prompt
 from vlkv.deploy.client import build_request, connect, generate
 from vlkv_lab.bench.hf_baseline import HFBaselineServicer, start_hf_baseline
 from vlkv_lab.loadgen import dir_workload, run_load, synthetic_workload
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 
 @pytest.fixture(scope="module")

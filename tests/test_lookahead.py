@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inproc_cluster import evaluation_cluster
 from vlkv.common.compression.lookahead import DraftStats, mixed_col_sum, with_draft
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.errors import InvalidInput
@@ -19,8 +20,6 @@ from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.v1 import generate_pb2
 from vlkv_lab.eval.evaluation import compress, compress_with, decode_batch, policy_stats
-
-from tests.inproc_cluster import evaluation_cluster
 
 BUDGET = 0.3
 

@@ -6,13 +6,12 @@ import urllib.request
 
 import grpc
 import pytest
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.services.metrics import serve_metrics
 from vlkv.v1 import admin_pb2, admin_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 
 @pytest.fixture(scope="module")

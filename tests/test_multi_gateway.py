@@ -9,13 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_decode_worker, start_gateway
 from vlkv.v1 import generate_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 GATEWAYS = 3
 REQUESTS = 18

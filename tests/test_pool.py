@@ -114,10 +114,15 @@ def _start(tmp_path: Path, fail: bool = False) -> tuple[subprocess.Popen, Path]:
     # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler (the scenario slept on).
     code = (
         "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        f"from tests.test_pool import scenario; scenario({str(pids)!r}, {fail})"
+        f"from test_pool import scenario; scenario({str(pids)!r}, {fail})"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "tests")),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     return proc, pids
 

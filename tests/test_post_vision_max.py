@@ -10,10 +10,9 @@ import json
 import pytest
 import torch
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
+from test_text_by_budget import M, _random_stats
 from vlkv.common.compression import get_policy, policy_from_dict, preset
 from vlkv.common.compression.selection import post_vision_share
-
-from tests.test_text_by_budget import M, _random_stats
 
 Q12, SKIP32 = "vlcache_text_lean_w24_skip32_q12", "vlcache_text_lean_w24_skip32"
 LAYERS = 4

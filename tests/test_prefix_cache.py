@@ -10,6 +10,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from inproc_cluster import InProcCluster
 from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
@@ -19,8 +20,6 @@ from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.prefix_cache import PrefixCache
 from vlkv.v1 import generate_pb2
-
-from tests.inproc_cluster import InProcCluster
 
 MAX_NEW = 8
 FULL = CompressionSettings("full", 1.0, 0.01)

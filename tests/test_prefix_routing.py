@@ -5,13 +5,12 @@ by them; a miss there (the worker evicted it, or left) still prefills in full.""
 from __future__ import annotations
 
 import pytest
+from inproc_cluster import InProcCluster
+from test_prefix_cache import chat_request, conversation, png, run
 from vlkv.common.config import ModelConfig, ServerConfig
 from vlkv.deploy.servers import start_prefill_worker
 from vlkv.services.prefix_index import PrefixIndex, route_keys
 from vlkv.services.router import BUSY_MARGIN, Router, Worker
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_prefix_cache import chat_request, conversation, png, run
 
 IMG = 7
 

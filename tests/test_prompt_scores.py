@@ -6,16 +6,15 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from kv_wire_helpers import FakePool, encode, make_ckv
+from test_compression_policies import TAU, M, make_inputs, stats_for
+from test_decode_recompress import _caches, tiny  # noqa: F401 - the fixture
+from test_kv_wire import run
 from vlkv.common.compression import get_policy
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.handoff.wire import PROMPT_SCORE_DTYPE, KVWireError, header_prompt_scores
 from vlkv.common.sampling import SamplingConfig
 from vlkv.deploy.inprocess import InProcessEngine
-
-from tests.kv_wire_helpers import FakePool, encode, make_ckv
-from tests.test_compression_policies import TAU, M, make_inputs, stats_for
-from tests.test_decode_recompress import _caches, tiny  # noqa: F401 - the fixture
-from tests.test_kv_wire import run
 
 
 @pytest.mark.parametrize("name", ["vlcache", "h2o", "snapkv"])

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
 from vlkv.common.compression.allocators import allocator_names
 from vlkv.common.compression.registry import POLICY_NAMES
 from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.deploy.client import build_request, generate
 from vlkv.v1 import generate_pb2
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
 
 DEFINED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 PNG = random_png(0, size=24)

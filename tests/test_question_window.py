@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
+from test_text_presets import _stats  # statistics with given column sums
 from vlkv.common.compression import policy_from_dict, preset
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.model.inputs import prepare_inputs
@@ -18,8 +19,6 @@ from vlkv.common.model.question import TurnLayout, prompt_question, question_tok
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import SamplingConfig
-
-from tests.test_text_presets import _stats  # statistics with given column sums
 
 # A ChatML-like layout on made-up ids: 1 = <|im_start|>, 2 = <|im_end|> (special), 9 = "\n", 7 = "user",
 # 8 = "assistant"; the template's tail after the message is <|im_end|> \n <|im_start|> assistant \n.

@@ -11,6 +11,7 @@ import io
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from test_e2e_equality import random_png
 from transformers import AutoConfig
 from vlkv.common.config import Limits
 from vlkv.common.errors import InvalidInput, Refusal, refusal_metadata, refusal_of
@@ -28,8 +29,6 @@ from vlkv.common.request import (
 )
 from vlkv.deploy.client import build_request
 from vlkv.v1 import worker_pb2
-
-from tests.test_e2e_equality import random_png
 
 
 @pytest.fixture(scope="module")

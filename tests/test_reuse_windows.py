@@ -17,6 +17,7 @@ import io
 import pytest
 import torch
 from PIL import Image
+from test_e2e_equality import random_png
 from vlkv.common.compression.registry import CompressionSettings
 from vlkv.common.config import ModelConfig
 from vlkv.common.model.families import family_of
@@ -27,8 +28,6 @@ from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.image_cache import ImageCache
 from vlkv.prefill_worker.reuse_forward import reuse_supported, rotate
-
-from tests.test_e2e_equality import random_png
 
 WINDOWED = ["llava-mistral-w8", "llava-qwen2-w8", "llava-gemma3"]
 FULL = CompressionSettings("full")

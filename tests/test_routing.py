@@ -8,16 +8,15 @@ import time
 
 import grpc
 import pytest
+from inproc_cluster import InProcCluster
+from test_decode_transfer_faults import _stream
+from test_e2e_equality import random_png
 from vlkv.common.config import ModelConfig, PoolConfig, QueueConfig, ServerConfig, TransferConfig
 from vlkv.common.grpc_server import make_sync_channel
 from vlkv.deploy.client import build_request, generate
 from vlkv.deploy.servers import start_decode_worker
 from vlkv.services.load_board import Reservation
 from vlkv.v1 import worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_decode_transfer_faults import _stream
-from tests.test_e2e_equality import random_png
 
 
 @pytest.fixture(scope="module")

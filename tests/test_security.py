@@ -8,16 +8,15 @@ import argparse
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from inproc_cluster import InProcCluster
+from test_e2e_equality import random_png
+from tls_certs import make_pki
 from vlkv.common.config import ConfigError, ModelConfig, PoolConfig, SecurityConfig, ServerConfig
 from vlkv.common.grpc_server import channel_options
 from vlkv.deploy.cli.cluster import server_config
 from vlkv.deploy.cli.flags import add_server_flags
 from vlkv.deploy.client import build_request, connect, generate
 from vlkv.v1 import worker_pb2, worker_pb2_grpc
-
-from tests.inproc_cluster import InProcCluster
-from tests.test_e2e_equality import random_png
-from tests.tls_certs import make_pki
 
 TOKEN = "s3cret-token"
 

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from tiny_llama import tiny_llama
 from vlkv.deploy.synthetic_task import Example
 from vlkv_lab.zoo import smol_codes, smol_objects
 from vlkv_lab.zoo.smol_lm import LoraSpec, answer_logits, merge_lora, pack, run_layers
 from vlkv_lab.zoo.smol_vision import BACKGROUND_WORD, GEOM, VisionParts, draw_object, patch_words
-
-from tests.tiny_llama import tiny_llama
 
 
 def test_split_layer_run_equals_the_models_causal_forward():

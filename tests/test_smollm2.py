@@ -64,14 +64,13 @@ def test_cached_checkpoint_is_reused_and_a_stale_one_rebuilt(checkpoint, tmp_pat
 def test_text_wrapper_answers_a_needle_question_through_the_public_api(checkpoint):
     """Text-only chat through the gateway and both workers (real gRPC): right with the full cache; at 10%
     (the default policy) served with a tenth of the KV bytes and the same answer as the in-process engine."""
+    from inproc_cluster import InProcCluster
     from vlkv.common.compression.registry import DEFAULT_POLICY, CompressionSettings
     from vlkv.common.config import PoolConfig, ServerConfig
     from vlkv.common.sampling import SamplingConfig
     from vlkv.deploy.client import build_request, generate
     from vlkv.deploy.inprocess import InProcessEngine
     from vlkv_lab.zoo import text_suite
-
-    from tests.inproc_cluster import InProcCluster
 
     torch.set_num_threads(1)
     cfg = ServerConfig(  # float32: a 512-token bfloat16 prefill takes minutes on a CPU without AVX-512 BF16

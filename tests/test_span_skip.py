@@ -8,9 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_text_presets import _stats as text_stats
 from vlkv.common.compression import get_policy, policy_from_dict
-
-from tests.test_text_presets import _stats as text_stats
 
 M, K = 300, 24  # recent window 3 (297..299), 21 scored slots
 

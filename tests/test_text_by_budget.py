@@ -9,10 +9,9 @@ import json
 import pytest
 import torch
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
+from test_text_presets import _stats
 from vlkv.common.compression import get_policy, policy_from_dict, preset
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, read_profile
-
-from tests.test_text_presets import _stats
 
 M, LAYERS = 1000, 4
 BY_BUDGET, LOW, HIGH = "vlcache_text_by_budget", "vlcache_text_lean_w24_skip32", "vlcache_text_span"

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from test_e2e_equality import random_png
 from vlkv.common.compression.profile import read_profile
 from vlkv.common.compression.registry import CompressionSettings, policy_from_dict
 from vlkv.common.compression.verify import VERIFY_CANDIDATES, VerifyConfig
@@ -19,8 +20,6 @@ from vlkv.deploy.servers import load_learned_profile
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.ledger import Ledger
 from vlkv.prefill_worker.teacher_force import agreement
-
-from tests.test_e2e_equality import random_png
 
 Q = "what colour is the square ?"
 
@@ -207,10 +206,9 @@ def test_ledger_learns_nothing_before_enough_requests():
 def test_calibrate_verifier_is_the_served_verifier_offline(tmp_path):
     """`vlkv calibrate --verifier`: every prompt at every budget through the prefill engine's verifier; the
     profile it writes is what `--learned-profile` loads, with the served ledger's counts."""
+    from calib_prompts import synthetic_prompts
     from vlkv.common.config import DEFAULT_MODEL_DIR
     from vlkv.deploy.calibrate.verifier import calibrate_verified, format_learned
-
-    from tests.calib_prompts import synthetic_prompts
 
     prompts = synthetic_prompts(tmp_path, 3, seed=1)
     path, profile, _ = calibrate_verified(

@@ -235,10 +235,9 @@ def test_checkpoint_loads_like_a_user_checkpoint_has_its_geometry_and_answers(na
 
 @pytest.mark.parametrize("name", [n for n in MEMBERS if ROWS[n].api])
 def test_served_through_the_public_api(name):
+    from inproc_cluster import InProcCluster
     from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
     from vlkv.deploy.client import build_request, generate, png_bytes
-
-    from tests.inproc_cluster import InProcCluster
 
     m = member(name)
     pool = PoolConfig(pool_bytes=ROWS[name].pool_mb << 20)

@@ -57,7 +57,12 @@ def test_the_grid_changes_one_or_two_options_of_the_default_and_keeps_its_draft(
     unless it names the draft's options; the draft's own rows are there (off, 8 tokens, weight 1.0)."""
     from vlkv.common.compression.registry import policy_from_dict
 
-    default = policy_from_dict(CANDIDATES[0][1]).to_dict()
+    def image_dict(d: dict) -> dict:  # the options an image prompt is compressed with, and its text route
+        policy = policy_from_dict(d)
+        text = getattr(policy, "text", None)
+        return getattr(policy, "image", policy).to_dict() | {"text_preset": text and text.to_dict()}
+
+    default = image_dict(CANDIDATES[0][1])
     labels = [label for label, _ in CANDIDATES]
     assert CANDIDATES[0][0] == "default" and len(set(labels)) == len(labels)
     assert default["lookahead"] == 16 and default["lookahead_weight"] == 0.5
@@ -65,7 +70,7 @@ def test_the_grid_changes_one_or_two_options_of_the_default_and_keeps_its_draft(
     for label, d in CANDIDATES[1:]:
         if d.get("policy") != "vlcache" or label == "paper (vlcache_paper)":  # the baselines
             continue
-        own = policy_from_dict(d).to_dict()
+        own = image_dict(d)
         changed = {k for k in default if own[k] != default[k]}
         assert 1 <= len(changed) <= 2 and changed <= set(d), label
         if not {"lookahead", "lookahead_weight"} & set(d):

@@ -190,7 +190,8 @@ def test_span_and_chunk_options_round_trip_and_keep_the_budget():
 
     policy = get_policy("vlcache", span_after=6, chunk_size=8)
     data = policy.to_dict()
-    assert data["span_after"] == 6 and data["chunk_size"] == 8 and policy_from_dict(data) == policy
+    image = data["image"]
+    assert image["span_after"] == 6 and image["chunk_size"] == 8 and policy_from_dict(data) == policy
     with pytest.raises(ValueError, match="chunk_size"):
         policy_from_dict({"policy": "vlcache", "chunk_size": 2.0})
     m = 300
@@ -267,5 +268,8 @@ def test_text_preset_compresses_text_only_prompts_and_leaves_image_prompts_alone
     ):
         with pytest.raises(ValueError, match=message):
             policy_from_dict({"policy": "vlcache", **bad})
-    with pytest.raises(ValueError, match="query rows"):
-        get_policy("snapkv", text_preset="vlcache_lookup")
+    # a policy that chooses its own query rows hands text-only prompts on as well: each prompt's rows are
+    # those of the policy that compresses it
+    snap = get_policy("snapkv", text_preset=name)
+    assert snap.query_start(m, m) == lookup.query_start(m, m)
+    assert snap.query_start(m, 20) == get_policy("snapkv").query_start(m, 20)

@@ -1,63 +1,57 @@
-"""The image default protocol v2.1 adopted on 2026-11-28 (#38): draft-mass layer budgets with the first two
-layers at least at the pyramid's, no question window kept outright; text-only prompts compressed as before,
-and the zoo's option rows the same policies as before the change (files of both times compare)."""
+"""One definition of each default, whatever its settings: the policy a request naming vlcache gets is the
+zoo's defaults row, the preset ``vlcache_default``, calibrate's and the verifier's "default" candidate; the
+previous default is one preset shared by the zoo and calibrate; a text-only prompt goes to the default's text
+preset whatever the image options, and an option row changes image prompts only."""
 
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
-from vlkv.common.compression import DraftMass, Pyramid, Uniform, get_policy, preset
-from vlkv.common.compression.registry import policy_from_dict
+from vlkv.common.compression import ByPromptKind, get_policy, preset
+from vlkv.common.compression.registry import DEFAULT_TEXT_PRESET, policy_from_dict
+from vlkv.common.compression.verify import VERIFY_CANDIDATES
 from vlkv.deploy.calibrate.measure import CANDIDATES
 from vlkv_lab.eval.zoo import ABLATION, PYRAMID_WINDOW, PYRAMID_WINDOW_LABEL
 
-ADOPTED = "allocator: draft mass (w 0.5, pyramid floor in layers 0-1) + window: none"
+M = 300  # a prompt's length; tau = M: text-only, tau = 20: an image prompt
 
 
 def _rows():
     return {label: get_policy(policy, **params) for label, policy, params in ABLATION}
 
 
-def test_the_default_is_the_row_the_protocol_adopted():
-    rows, default = _rows(), get_policy("vlcache")
-    assert rows[ADOPTED] == default == rows["vlcache (defaults)"]
-    assert default.allocator == DraftMass(weight=0.5, beta=4.0, floor_layers=2)
-    previous = rows[PYRAMID_WINDOW_LABEL]
-    assert previous != default and previous.allocator == Pyramid(beta=4.0) and previous.post_vision_window
-    # one definition of the previous default: the preset, the zoo's row and calibrate's candidate
+def test_every_place_that_names_the_default_builds_the_same_policy():
+    default = get_policy("vlcache")
+    assert _rows()["vlcache (defaults)"] == default == get_policy() == preset("vlcache_default")
+    assert policy_from_dict(dict(CANDIDATES)["default"]) == default
+    assert policy_from_dict(dict(VERIFY_CANDIDATES)["default"]) == default
+    assert policy_from_dict(default.to_dict()) == default  # and a profile that stores it reads it back
+
+
+def test_the_previous_default_is_one_preset_shared_by_the_zoo_and_calibrate():
+    previous = _rows()[PYRAMID_WINDOW_LABEL]
     candidate = policy_from_dict(dict(CANDIDATES)["previous default (pyramid, window on)"])
-    assert preset("vlcache_pyramid_window") == previous == candidate
-    assert previous == get_policy(
-        "vlcache", allocator={"name": "pyramid", "beta": 4.0}, post_vision_window=True
+    assert (
+        preset("vlcache_pyramid_window") == previous == candidate == get_policy("vlcache", **PYRAMID_WINDOW)
     )
+    assert previous != get_policy("vlcache")
 
 
-def test_option_rows_are_the_policies_they_were_before_the_change():
-    rows = _rows()
-    none = rows["window: none (the paper's recent window only)"]
-    assert none.allocator == Pyramid(beta=4.0) and not none.post_vision_window
-    cap = rows["window: cap 1/4"]
-    assert (cap.allocator, cap.post_vision_window, cap.post_vision_cap) == (Pyramid(beta=4.0), True, 0.25)
-    assert rows["allocator: pyramid, beta 2"].allocator == Pyramid(beta=2.0)
-    uniform = rows["allocator: uniform"]
-    assert uniform.allocator == Uniform() and uniform.post_vision_window
-    first = rows["window: first layer only"]
-    assert first.post_vision_window and first.post_vision_layers == 1 and first.allocator == Pyramid(beta=4.0)
-    # a text-preset row is today's default with its preset: image prompts are the default's by construction
-    lean = rows["text-only prompts: preset vlcache_text_lean"]
-    assert lean.allocator == get_policy("vlcache").allocator and not lean.post_vision_window
-    assert lean.text_preset == "vlcache_text_lean"
+def test_a_text_only_prompt_goes_to_the_default_text_preset_whatever_the_image_options():
+    text = preset(DEFAULT_TEXT_PRESET["vlcache"])
+    for label, policy in _rows().items():
+        params = dict(next(p for lb, _, p in ABLATION if lb == label))
+        if policy.name != "vlcache" or "text_preset" in params:
+            continue  # a baseline, or a row that names its text-only handling itself
+        assert isinstance(policy, ByPromptKind), label
+        assert policy.text == text and policy.for_prompt(M, M) == text.for_prompt(M, M), label
+        assert policy.for_prompt(M, 20) == policy.image and policy.image.for_prompt(M, 20) is policy.image
 
 
-def test_text_only_prompts_compress_as_under_the_previous_default():
-    """A text-only prompt goes to the preset, which pins its own allocator and window: the change of the
-    image default leaves it as it was; an image prompt gets the new settings."""
-    new, old = get_policy("vlcache"), get_policy("vlcache", **PYRAMID_WINDOW)
-    m = 300
-    text = preset("vlcache_text_by_budget")  # the text default since protocol v2.2 (held-out seed 5)
-    assert new.for_prompt(m, m) == old.for_prompt(m, m) == text
-    assert text.post_vision_window and text.allocator == Uniform()
-    # with a budget, the preset's own switch applies: below 7.5% vlcache_text_lean_w24_skip32, from 7.5% the
-    # preset itself (vlcache_text_span's fields but the switch's: tests/test_text_by_budget.py)
-    assert new.for_prompt(m, m, 0.05) == preset("vlcache_text_lean_w24_skip32")
-    assert new.for_prompt(m, m, 0.1) == text
-    for name in ("vlcache_text_lean", "vlcache_text_lowbudget", "vlcache_lookup"):
-        assert preset(name).post_vision_window, name
-    assert new.for_prompt(m, 20) is new and old.for_prompt(m, 20) is old and new != old
+def test_a_text_preset_row_changes_text_only_prompts_only():
+    default = get_policy("vlcache")
+    for label, name, params in ABLATION:
+        if name != "vlcache" or set(params) != {"text_preset"} or not params["text_preset"]:
+            continue
+        policy = get_policy(name, **params)
+        assert policy.for_prompt(M, 20) == default.for_prompt(M, 20), label
+        assert policy.for_prompt(M, M) == preset(params["text_preset"]).for_prompt(M, M), label
+    bare = get_policy("vlcache", text_preset="")  # no route: vlcache compresses every prompt itself
+    assert bare.for_prompt(M, M) is bare and bare == default.image

@@ -233,9 +233,9 @@ def test_policy_dict_round_trip():
     from vlkv.common.compression.registry import policy_from_dict
 
     policy = get_policy("vlcache", lookahead=8, lookahead_weight=1.0)
-    data = policy.to_dict()
+    data = policy.image.to_dict()  # image prompts' policy; text-only prompts go to the default text preset
     assert data["lookahead"] == 8 and data["lookahead_weight"] == 1.0
-    assert policy_from_dict(data) == policy
+    assert policy_from_dict(policy.to_dict()) == policy and policy_from_dict(data) == policy.image
 
 
 def test_mixed_scores_are_each_sources_mean_attention_per_row():

@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from vlkv.common.compression import get_policy
+from vlkv.common.compression.registry import DEFAULT_TEXT_PRESET
 from vlkv_lab.eval import protocol
 from vlkv_lab.eval.protocol_kinds import decide_kinds
 from vlkv_lab.eval.protocol_rules import CURRENT, choose
@@ -95,9 +95,7 @@ def test_budget_changes_read_the_policies_the_run_recorded_not_todays_defaults()
     assert budget_changes(cfg, Y, CURRENT, "text", BUDGETS) == 1  # by_budget is skip32 at 1% only
     # without the record, "{}" reads as today's defaults, whatever those are now
     bare = CFG | {CURRENT: {"policy": "vlcache", "params": {}}}
-    today = CFG | {
-        CURRENT: {"policy": "vlcache", "params": {"text_preset": get_policy("vlcache").text_preset}}
-    }
+    today = CFG | {CURRENT: {"policy": "vlcache", "params": {"text_preset": DEFAULT_TEXT_PRESET["vlcache"]}}}
     assert (
         budget_changes(bare, S, CURRENT, "text", BUDGETS)
         == budget_changes(today, S, CURRENT, "text", BUDGETS)

@@ -75,7 +75,7 @@ def test_span_skip_within_the_sinks_changes_nothing():
 def test_span_skip_round_trips_and_rejects_negative_values():
     policy = get_policy("vlcache", span_after=12, span_skip=32)
     data = policy.to_dict()
-    assert data["span_skip"] == 32 and policy_from_dict(data) == policy
+    assert data["image"]["span_skip"] == 32 and policy_from_dict(data) == policy
     with pytest.raises(ValueError, match="span_skip"):
         get_policy("vlcache", span_skip=-1)
     with pytest.raises(ValueError, match="span_skip_weight"):

@@ -1,6 +1,6 @@
-"""``Policy.low_budget_preset`` / ``low_budget_below`` and the preset ``vlcache_text_by_budget``: a text-only
-prompt at a budget below 7.5% goes to ``vlcache_text_lean_w24_skip32``, at or above it to
-``vlcache_text_span``'s settings; image prompts and the statistics rows are the same at every budget."""
+"""``routing.ByBudget`` (``low_budget_preset`` / ``low_budget_below`` by name) and the preset
+``vlcache_text_by_budget``: a text-only prompt at a budget below 7.5% goes to ``vlcache_text_lean_w24_skip32``,
+at or above it to ``vlcache_text_span``; image prompts and the statistics rows are the same at every budget."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import pytest
 import torch
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from test_text_presets import _stats
-from vlkv.common.compression import get_policy, policy_from_dict, preset
+from vlkv.common.compression import ByBudget, get_policy, policy_from_dict, preset
 from vlkv.common.compression.profile import CompressionProfile, ProfileEntry, read_profile
 
 M, LAYERS = 1000, 4
 BY_BUDGET, LOW, HIGH = "vlcache_text_by_budget", "vlcache_text_lean_w24_skip32", "vlcache_text_span"
-SWITCH = ("low_budget_preset", "low_budget_below")
 
 
 def _random_stats(q0: int, seed: int) -> list:
@@ -40,15 +39,13 @@ def _plan(text_preset: str, alpha: float, tau: int = M, seed: int = 0) -> list[l
 
 def test_the_switch_hands_budgets_below_the_threshold_to_the_low_preset_and_keeps_its_own_above():
     policy = preset(BY_BUDGET)
-    assert policy.low_budget_below == 0.075 and policy.low_budget_preset == LOW
+    assert isinstance(policy, ByBudget) and policy.below == 0.075
+    assert policy.low == preset(LOW) and policy.high == preset(HIGH)  # policy objects, not names
     for alpha in (0.01, 0.02, 0.05, 0.0749):
-        assert policy.for_budget(alpha) == preset(LOW)
+        assert policy.for_prompt(M, M, alpha) == preset(LOW)
     for alpha in (0.075, 0.1, 0.5, 1.0):
-        assert policy.for_budget(alpha) is policy
-    # above the switch it is vlcache_text_span, field for field, but for the switch itself
-    own = {k: v for k, v in policy.to_dict().items() if k not in SWITCH}
-    assert own == {k: v for k, v in preset(HIGH).to_dict().items() if k not in SWITCH}
-    assert preset(HIGH).low_budget_preset == "" and preset(LOW).low_budget_preset == ""
+        assert policy.for_prompt(M, M, alpha) == preset(HIGH)
+    assert policy.name == preset(HIGH).name
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -63,8 +60,9 @@ def test_a_text_only_prompt_is_kept_as_skip32_keeps_it_below_7_5_percent_and_as_
 def test_image_prompts_and_the_statistics_rows_do_not_depend_on_the_budget():
     policy, default = get_policy("vlcache", text_preset=BY_BUDGET), get_policy("vlcache")
     for alpha in (0.02, 0.05, 0.1):
-        assert _plan(BY_BUDGET, alpha, tau=40) == _plan(default.text_preset, alpha, tau=40)
-        assert policy.for_prompt(M, 40, alpha) is policy  # an image prompt: the policy itself
+        assert _plan(BY_BUDGET, alpha, tau=40) == _plan("", alpha, tau=40)
+        assert policy.for_prompt(M, 40, alpha) is policy.image  # an image prompt: vlcache itself
+        assert default.text == preset(BY_BUDGET)  # the default's text-only prompts
         assert policy.lookahead_steps(alpha, M, M) == 0
     # the rows the statistics cover are read before the budget is known: the same for both presets
     assert policy.query_start(M, M) == preset(LOW).query_start(M, M) == preset(HIGH).query_start(M, M)
@@ -74,7 +72,8 @@ def test_image_prompts_and_the_statistics_rows_do_not_depend_on_the_budget():
 def test_the_preset_and_a_policy_naming_it_round_trip_through_json_and_a_profile(tmp_path):
     low = preset(BY_BUDGET)
     data = json.loads(json.dumps(low.to_dict()))
-    assert data["low_budget_preset"] == LOW and data["low_budget_below"] == 0.075
+    assert data["policy"] == "by_budget" and data["below"] == 0.075
+    assert data["low"] == preset(LOW).to_dict() and data["high"] == preset(HIGH).to_dict()
     assert policy_from_dict(data) == low
     policy = get_policy("vlcache", text_preset=BY_BUDGET)
     assert policy_from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
@@ -93,7 +92,7 @@ def test_the_preset_and_a_policy_naming_it_round_trip_through_json_and_a_profile
     profile.write(tmp_path / "compression_profile.json")
     again = read_profile(tmp_path / "compression_profile.json")
     assert again.policy_for(0.05) == policy and again.policy_for(0.1) == own
-    assert again.policy_for(0.1).for_budget(0.02) == preset("vlcache_text_span_skip32")
+    assert again.policy_for(0.1).for_prompt(M, M, 0.02) == preset("vlcache_text_span_skip32")
 
 
 @pytest.mark.parametrize(

@@ -182,7 +182,7 @@ def test_window_off_with_the_full_draft_weight_is_an_image_row():
     policy = get_policy("vlcache", **rows[label]["params"])
     assert not policy.post_vision_window and policy.lookahead == 16 and policy.lookahead_weight == 1.0
     # today's text preset is kept, so protocol v2.1 reads it as an image-dimension candidate
-    assert policy.text_preset == get_policy("vlcache").text_preset
+    assert policy.text == get_policy("vlcache").text
     assert label not in text_rows(rows, "vlcache (defaults)")
 
 

@@ -37,7 +37,7 @@ from .budgets import (
     sparsity_budgets,
     uniform_budgets,
 )
-from .presets import PRESETS, preset, preset_params
+from .presets import PRESETS
 from .registry import (
     DEFAULT_BUDGET,
     DEFAULT_POLICY,
@@ -46,11 +46,18 @@ from .registry import (
     CompressionSettings,
     get_policy,
     policy_from_dict,
+    preset,
+    preset_params,
+    register_preset,
 )
+from .routing import AnyPolicy, ByBudget, ByPromptKind
 from .stats import AttentionStatsLike, group_sum, head_sparsity, layer_sparsity, rows_seeing
 
 __all__ = [
     "ALLOCATORS",
+    "AnyPolicy",
+    "ByBudget",
+    "ByPromptKind",
     "DEFAULT_BUDGET",
     "DEFAULT_POLICY",
     "DEFAULT_THRESHOLD",
@@ -89,6 +96,7 @@ __all__ = [
     "realized_ratio",
     "recent_count",
     "register_allocator",
+    "register_preset",
     "rows_seeing",
     "sparsity_budgets",
     "uniform_budgets",

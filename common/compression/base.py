@@ -96,14 +96,6 @@ class Policy:
     worker answers from the compressed cache). 0: off (the scores exactly as without the option).
     lookahead_weight: the draft rows' share of the mixed score, ``(1 - w) * question + w * draft``, each the
     mean attention per row; the allocator reads the question rows only.
-    text_preset: a preset (``presets.py``) that compresses text-only prompts (no vision token, tau >= m) in
-    this policy's place, its statistics rows included ("": this policy compresses every prompt; only for
-    policies that keep the base ``query_start``, as ``vlcache`` does).
-    low_budget_preset, low_budget_below: at a budget below ``low_budget_below`` (0 < it < 1) the preset
-    ``low_budget_preset`` compresses the prompts this policy would, in its place (a text preset can so depend
-    on the budget: ``vlcache_text_by_budget``). The preset must read the same statistics rows (the same
-    ``query_start``, ``text_window``, ``question_min`` and ``question_max``: a prompt's statistics are taken
-    once, before the budget is applied) and set neither option itself. "" / 0.0: off.
     """
 
     name: ClassVar[str] = "base"
@@ -131,9 +123,6 @@ class Policy:
     layer_share: float = 0.0
     lookahead: int = 0
     lookahead_weight: float = 0.5
-    text_preset: str = ""
-    low_budget_preset: str = ""
-    low_budget_below: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.allocator, str):
@@ -146,7 +135,6 @@ class Policy:
             "layer_share",
             "lookahead_weight",
             "span_skip_weight",
-            "low_budget_below",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -175,25 +163,18 @@ class Policy:
             raise ValueError(
                 f"lookahead needs the base attention scores; {self.name} scores tokens its own way"
             )
-        if self.text_preset and type(self).query_start is not Policy.query_start:
-            raise ValueError(f"text_preset needs the base query rows; {self.name} chooses its own")
-        self.text_policy()  # ValueError for an unknown or nested preset
-        if bool(self.low_budget_preset) != (0.0 < self.low_budget_below < 1.0):
-            raise ValueError(
-                "low_budget_preset and low_budget_below in (0, 1) go together, got "
-                f"{self.low_budget_preset!r} below {self.low_budget_below}"
-            )
-        self.low_budget_policy()  # ValueError for an unknown preset or one that reads other rows
         if self.post_vision_slope < 0:
             raise ValueError(f"post_vision_slope must be >= 0, got {self.post_vision_slope}")
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"policy": name, "allocator": {...}, <option>: value, ...}``, plain JSON (every field);
-        ``registry.policy_from_dict`` reads it back."""
+        """``{"policy": name, "allocator": {...}, <option>: value, ..., "text_preset": ""}``, plain JSON (every
+        field); ``registry.policy_from_dict`` reads it back. ``text_preset`` "": this policy alone, with no route
+        (a dict without the key gets the named policy's default route, as a request naming it does)."""
         return {
             "policy": self.name,
             "allocator": self.allocator.to_dict(),
             **fields_to_dict(self, ("allocator",)),
+            "text_preset": "",
         }
 
     def is_full(self, alpha: float) -> bool:
@@ -202,63 +183,18 @@ class Policy:
 
     @property
     def requires_stats(self) -> bool:
-        """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget (for some
-        prompt: its ``text_preset``'s included)."""
-        own = not self.always_full and (self.scores_need_stats or self.allocator.needs_stats)
-        others = (self.text_policy(), self.low_budget_policy())
-        return own or any(p is not None and p.requires_stats for p in others)
-
-    def text_policy(self) -> Policy | None:
-        """The policy of ``text_preset`` (None when unset); ValueError for an unknown preset or one that sets
-        its own ``text_preset``."""
-        if not self.text_preset:
-            return None
-        from .presets import preset  # presets.py builds policies from this module
-
-        policy = preset(self.text_preset)
-        if policy.text_preset:
-            raise ValueError(f"text_preset {self.text_preset!r} sets a text_preset of its own")
-        return policy
-
-    def low_budget_policy(self) -> Policy | None:
-        """The policy of ``low_budget_preset`` (None when unset); ValueError for an unknown preset, one that
-        sets ``text_preset`` or ``low_budget_preset`` itself, or one that reads other statistics rows."""
-        if not self.low_budget_preset:
-            return None
-        from .presets import preset  # presets.py builds policies from this module
-
-        policy = preset(self.low_budget_preset)
-        if policy.text_preset or policy.low_budget_preset:
-            raise ValueError(f"low_budget_preset {self.low_budget_preset!r} hands prompts on itself")
-        rows = ("text_window", "question_min", "question_max")
-        if type(policy).query_start is not type(self).query_start or any(
-            getattr(policy, f) != getattr(self, f) for f in rows
-        ):
-            raise ValueError(
-                f"low_budget_preset {self.low_budget_preset!r} reads other statistics rows than {self.name} "
-                f"(its query_start, {', '.join(rows)} must be the same)"
-            )
-        return policy
-
-    def for_budget(self, alpha: float) -> Policy:
-        """The policy that compresses at budget ``alpha``: ``low_budget_preset``'s below
-        ``low_budget_below``, else this one."""
-        low = self.low_budget_policy() if alpha < self.low_budget_below else None
-        return self if low is None else low
+        """Whether ``compress`` reads attention statistics (scorer or allocator) below full budget."""
+        return not self.always_full and (self.scores_need_stats or self.allocator.needs_stats)
 
     def for_prompt(self, m: int, tau: int, alpha: float | None = None) -> Policy:
-        """The policy that compresses a prompt of ``m`` tokens with ``tau`` post-vision ones: the
-        ``text_preset``'s for a text-only prompt (``tau >= m``) when set, else this one; with ``alpha``, that
-        one's ``for_budget(alpha)``. Without it, the statistics rows are the same at every budget."""
-        text = self.text_policy() if tau >= m else None
-        policy = self if text is None else text
-        return policy if alpha is None else policy.for_budget(alpha)
+        """The policy that compresses a prompt of ``m`` tokens (``tau`` post-vision) at budget ``alpha``: this
+        one (a wrapper, ``routing.py``, answers with the policy it hands the prompt to)."""
+        return self
 
     def lookahead_steps(self, alpha: float, m: int, tau: int) -> int:
         """Draft tokens the prefill worker decodes for a prompt of ``m`` tokens (``tau`` post-vision) at budget
-        ``alpha``: the prompt's policy's (``for_prompt``) ``lookahead``, 0 when it keeps the full cache."""
-        policy = self.for_prompt(m, tau, alpha)
-        return 0 if policy.is_full(alpha) else policy.lookahead
+        ``alpha``: ``lookahead``, 0 when it keeps the full cache."""
+        return 0 if self.is_full(alpha) else self.lookahead
 
     def observed_tau(self, m: int, tau: int, question: int = 0) -> int:
         """The post-vision length the policy works with: ``tau``; for a prompt with no vision tokens
@@ -273,11 +209,8 @@ class Policy:
 
     def query_start(self, m: int, tau: int, question: int = 0) -> int:
         """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision
-        (for a text-only prompt, ``observed_tau``'s window; ``text_preset``'s own rows). ``question``: the
-        prompt's final question in tokens (``common/model/question.py``; 0: unknown)."""
-        policy = self.for_prompt(m, tau)
-        if policy is not self:
-            return policy.query_start(m, tau, question)
+        (for a text-only prompt, ``observed_tau``'s window). ``question``: the prompt's final question in
+        tokens (``common/model/question.py``; 0: unknown)."""
         return post_vision_start(m, self.observed_tau(m, tau, question))
 
     def allocate(
@@ -377,24 +310,10 @@ class Policy:
     ) -> list[torch.Tensor]:
         """Kept indices per layer, ``[H_kv, k_l]`` each; a full layer (k_l == m) gets ``arange(m)``.
 
-        Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``. A text-only prompt goes
-        to ``text_preset``'s policy when set, and at a budget below ``low_budget_below`` to
-        ``low_budget_preset``'s. ``question``: as for ``query_start``. ``windows``: per layer its sliding
+        Statistics are not read (may be None) when :meth:`is_full` holds for ``alpha``. ``question``: as for ``query_start``. ``windows``: per layer its sliding
         window (0: none; ``windows.fit_windows``): a sliding layer keeps at most its reach, its last positions
         without scores, and the rest of its budget goes to the other layers.
         """
-        policy = self.for_prompt(m, tau, alpha)
-        if policy is not self:
-            return policy.plan(
-                stats_per_layer,
-                keys_per_layer,
-                values_per_layer,
-                alpha=alpha,
-                m=m,
-                tau=tau,
-                question=question,
-                windows=windows,
-            )
         num_layers = len(keys_per_layer)
         if len(values_per_layer) != num_layers:
             raise ValueError("keys and values must have one tensor per layer")
@@ -457,9 +376,8 @@ class Policy:
             windows=windows,
         )
         scores = None
-        active = self.for_prompt(m, tau, alpha)
-        if active.requires_stats and not active.is_full(alpha):  # plan checked the statistics
-            rows = m - active.query_start(m, tau, question)
+        if self.requires_stats and not self.is_full(alpha):  # plan checked the statistics
+            rows = m - self.query_start(m, tau, question)
             scores = [kept_prompt_scores(s, idx, rows) for s, idx in zip(stats_per_layer, kept, strict=True)]
         out_k, out_v = [], []
         for idx, keys, values in zip(kept, keys_per_layer, values_per_layer, strict=True):

@@ -1,10 +1,12 @@
-"""Named policies: settings with a name of their own, each a plain JSON dict (``Policy.to_dict``'s shape): the
-defaults, the candidates ``vlkv calibrate`` and the verifier try, and the baselines they are compared with.
-Experiments that were not adopted live in the lab (``vlkv_lab.eval.presets``), which adds them with
-``register``, as a user may add a preset of their own.
+"""Named policies: settings with a name of their own, each a plain JSON dict (``registry.policy_from_dict``'s
+shape, whose ``text_preset`` / ``low_budget_preset`` keys name the presets a prompt is handed to: the wrappers
+of ``routing.py``): the defaults, the candidates ``vlkv calibrate`` and the verifier try, and the baselines they
+are compared with. This module is data; ``registry.preset`` builds one. Experiments that were not adopted live in
+the lab (``vlkv_lab.eval.presets``), which adds them with ``registry.register_preset``, as a user may add a
+preset of their own.
 
-``vlcache_default``: the ``vlcache`` policy as it is built with no options (the current default; its
-text-only handling included). ``vlcache_pyramid_window``: the image default before draft-mass budgets (#38,
+``vlcache_default``: the ``vlcache`` policy as a request that names it gets it (``registry.get_policy``: the
+current default, its text-only prompts handed to ``vlcache_text_by_budget``). ``vlcache_pyramid_window``: the image default before draft-mass budgets (#38,
 2026-11-28): ``Pyramid(beta=4.0)`` layer budgets and the question's window kept outright, every other
 setting today's (`vlkv calibrate`'s "previous default" candidate, the zoo's option rows are built over it).
 
@@ -62,9 +64,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Policy
-from .registry import policy_from_dict
-
 PRESETS: dict[str, dict[str, Any]] = {
     "vlcache_paper": {
         "policy": "vlcache",
@@ -117,28 +116,3 @@ PRESETS["vlcache_text_by_budget"] = PRESETS["vlcache_text_span"] | {
     "low_budget_preset": "vlcache_text_lean_w24_skip32",
     "low_budget_below": 0.075,
 }
-
-
-def register(name: str, settings: dict[str, Any]) -> None:
-    """Add preset ``name`` (``Policy.to_dict``'s shape); ValueError for a taken name or settings no policy
-    accepts. Registered in a process, it is known there only (a text or low-budget preset may name it)."""
-    if name in PRESETS:
-        if PRESETS[name] == settings:
-            return  # registered again by a re-imported module: the same preset
-        raise ValueError(f"compression preset {name!r} exists already")
-    policy_from_dict(settings)
-    PRESETS[name] = dict(settings)
-
-
-def preset(name: str) -> Policy:
-    """The policy of preset ``name``; ValueError for an unknown one."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown compression preset {name!r}; choose from {', '.join(PRESETS)}")
-    return policy_from_dict(PRESETS[name])
-
-
-def preset_params(name: str) -> dict[str, Any]:
-    """``get_policy(policy, **params)`` keywords for preset ``name`` (every field, allocator as a dict)."""
-    data = preset(name).to_dict()
-    data.pop("policy")
-    return data

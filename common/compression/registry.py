@@ -5,7 +5,9 @@ The settings validate themselves on construction (ValueError with a message fit 
 adapter at each process's edge is ``vlkv.common.request.compression_from_proto``), build the policy, and
 estimate the per-layer kept tokens before the prefill runs (for admission). A policy also comes from a
 plain JSON dict (:func:`policy_from_dict`, the shape ``Policy.to_dict`` writes and a compression profile
-stores)."""
+stores) or a preset's name (:func:`preset`, ``presets.py``). This is the one module that resolves names: a
+dict's ``text_preset`` / ``low_budget_preset`` become the wrappers of ``routing.py``, which hold the policies.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from .allocators import Allocator, allocator_class, allocator_from_dict, allocat
 from .base import Policy
 from .full import FullPolicy
 from .h2o import H2OPolicy
+from .presets import PRESETS
 from .pyramidkv import PyramidKVPolicy
 from .random_policy import RandomPolicy
+from .routing import AnyPolicy, ByBudget, ByPromptKind
 from .serialize import fields_from_dict
 from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
@@ -42,6 +46,12 @@ _POLICIES: dict[str, type[Policy]] = {
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 DEFAULT_POLICY = "vlcache"
+DEFAULT_TEXT_PRESET: dict[str, str] = {"vlcache": "vlcache_text_by_budget"}
+"""The preset that compresses a policy's text-only prompts when a request names the policy (``get_policy``;
+protocol v2.2 and held-out seed 5, ``docs/compression.md``); a policy not listed compresses them itself."""
+ROUTE_KEYS = ("text_preset", "low_budget_preset", "low_budget_below")
+WRAPPER_NAMES = ("by_prompt_kind", "by_budget")
+"""The wrappers' names in a dict (``routing.py``): ``get_policy`` and ``policy_from_dict`` read them too."""
 
 # The flat spelling of allocator parameters (policy keywords before allocators held their own), still
 # accepted by get_policy: keyword -> (allocator name, field). Applied when the policy's allocator is of that
@@ -86,14 +96,28 @@ def resolve_allocator(cls: type[Policy], allocator: str | dict | Allocator | Non
 
 
 def get_policy(
-    name: str = DEFAULT_POLICY, *, allocator: str | dict | Allocator | None = None, **params: Any
-) -> Policy:
-    """Build policy ``name`` (empty = vlcache) with dataclass ``params``.
+    name: str = DEFAULT_POLICY,
+    *,
+    allocator: str | dict | Allocator | None = None,
+    text_preset: str | None = None,
+    low_budget_preset: str = "",
+    low_budget_below: float = 0.0,
+    **params: Any,
+) -> AnyPolicy:
+    """The policy a request naming ``name`` (empty = vlcache) gets, with dataclass ``params``.
 
     allocator: a registered name, an ``Allocator`` or its dict (see :func:`resolve_allocator`); None or ""
     keeps the policy's own. The flat allocator keywords (``pyramid_beta=2.0``, ``exact_budget=True``:
-    ``FLAT_ALLOCATOR_PARAMS``) set that allocator's field. Unknown names or parameters raise ValueError.
+    ``FLAT_ALLOCATOR_PARAMS``) set that allocator's field. Routes (:func:`with_routes`): ``text_preset`` None
+    is the policy's own (``DEFAULT_TEXT_PRESET``), "" none. A wrapper's name (``WRAPPER_NAMES``) takes its
+    parts as its dict holds them (``get_policy(d.pop("policy"), **d)`` for any ``to_dict()``). Unknown names
+    or parameters raise ValueError.
     """
+    if name in WRAPPER_NAMES:
+        routes = {"text_preset": text_preset, "low_budget_preset": low_budget_preset or None}
+        if allocator is not None or low_budget_below or any(v is not None for v in routes.values()):
+            raise ValueError(f"policy {name!r} takes its parts only, not an allocator or routes")
+        return policy_from_dict({"policy": name, **params})
     cls = policy_class(name)
     chosen = resolve_allocator(cls, allocator)
     for key in [k for k in params if k in FLAT_ALLOCATOR_PARAMS]:
@@ -107,21 +131,107 @@ def get_policy(
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
     try:
-        return cls(allocator=chosen, **params)
+        policy = cls(allocator=chosen, **params)
     except TypeError as err:
         raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
+    if text_preset is None:
+        text_preset = DEFAULT_TEXT_PRESET.get(cls.name, "")
+    return with_routes(policy, text_preset, low_budget_preset, low_budget_below)
 
 
-def policy_from_dict(data: Any) -> Policy:
-    """A policy from ``{"policy": name, "allocator": {...}, <option>: value}`` (``Policy.to_dict``'s shape;
-    only ``policy`` is required). ValueError names an unknown policy, allocator or option, a value of the
+def with_routes(
+    policy: Policy, text_preset: str = "", low_budget_preset: str = "", low_budget_below: float = 0.0
+) -> AnyPolicy:
+    """``policy`` handing budgets below ``low_budget_below`` to preset ``low_budget_preset`` (a
+    :class:`ByBudget`) and text-only prompts to preset ``text_preset`` (a :class:`ByPromptKind`); "" for either:
+    no such route. ValueError for an unknown preset, a text preset that routes text prompts itself, a
+    low-budget preset that is a wrapper or reads other statistics rows."""
+    for key, value in (("text_preset", text_preset), ("low_budget_preset", low_budget_preset)):
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a str (a preset's name), got {value!r}")
+    if isinstance(low_budget_below, bool) or not isinstance(low_budget_below, int | float):
+        raise ValueError(f"low_budget_below must be a float, got {low_budget_below!r}")
+    if bool(low_budget_preset) != (0.0 < low_budget_below < 1.0):
+        raise ValueError(
+            "low_budget_preset and low_budget_below in (0, 1) go together, got "
+            f"{low_budget_preset!r} below {low_budget_below}"
+        )
+    routed: Policy | ByBudget = policy
+    if low_budget_preset:
+        low = preset(low_budget_preset)
+        if not isinstance(low, Policy):
+            raise ValueError(f"low_budget_preset {low_budget_preset!r} hands prompts on itself")
+        routed = ByBudget(high=policy, low=low, below=low_budget_below)
+    if not text_preset:
+        return routed
+    text = preset(text_preset)
+    if isinstance(text, ByPromptKind):
+        raise ValueError(f"text_preset {text_preset!r} sets a text_preset of its own")
+    return ByPromptKind(image=routed, text=text)
+
+
+def policy_from_dict(data: Any) -> AnyPolicy:
+    """A policy from its dict: ``{"policy": name, "allocator": {...}, <option>: value}`` (``Policy.to_dict``'s
+    shape; only ``policy`` is required), with optional routes by preset name (``text_preset``,
+    ``low_budget_preset`` and ``low_budget_below``: :func:`with_routes`; a dict without ``text_preset`` gets
+    the policy's default route, as a request naming it does, and ``text_preset`` "" none), or a wrapper's
+    (``{"policy": "by_prompt_kind", "image": {...}, "text": {...}}``, ``{"policy": "by_budget", "high": {...},
+    "low": {...}, "below": b}``). ValueError names an unknown policy, allocator or option, a value of the
     wrong type or out of range."""
     if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
         raise ValueError(f"policy: expected an object with a 'policy' name, got {data!r}")
-    cls = policy_class(data["policy"])
-    rest = {k: v for k, v in data.items() if k not in ("policy", "allocator")}
+    kind = data["policy"]
+    if kind in WRAPPER_NAMES:
+        parts = ("image", "text") if kind == "by_prompt_kind" else ("high", "low", "below")
+        if set(data) != {"policy", *parts}:
+            raise ValueError(f"policy {kind!r}: expected the keys {', '.join(parts)}, got {sorted(data)}")
+        if kind == "by_prompt_kind":
+            return ByPromptKind(image=policy_from_dict(data["image"]), text=policy_from_dict(data["text"]))
+        below = data["below"]
+        if isinstance(below, bool) or not isinstance(below, int | float):
+            raise ValueError(f"policy 'by_budget': below must be a number, got {below!r}")
+        return ByBudget(high=policy_from_dict(data["high"]), low=policy_from_dict(data["low"]), below=below)
+    cls = policy_class(kind)
+    rest = {k: v for k, v in data.items() if k not in ("policy", "allocator", *ROUTE_KEYS)}
     params = fields_from_dict(cls, rest, f"policy {cls.name!r}", skip=("allocator",))
-    return cls(allocator=resolve_allocator(cls, data.get("allocator")), **params)
+    policy = cls(allocator=resolve_allocator(cls, data.get("allocator")), **params)
+    routes = {k: data[k] for k in ROUTE_KEYS if k in data}
+    routes.setdefault("text_preset", DEFAULT_TEXT_PRESET.get(cls.name, ""))
+    return with_routes(policy, **routes)
+
+
+def preset(name: str) -> AnyPolicy:
+    """The policy of preset ``name`` (``presets.PRESETS``); ValueError for an unknown one."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown compression preset {name!r}; choose from {', '.join(PRESETS)}")
+    return policy_from_dict(PRESETS[name])
+
+
+def preset_params(name: str) -> dict[str, Any]:
+    """``get_policy(policy, **params)`` keywords for preset ``name``: every field of its policy, the allocator
+    as a dict, the routes as the preset names them (``text_preset`` "" when it names none). ValueError for an
+    unknown preset or one written as a wrapper's dict (build that with :func:`preset`)."""
+    preset(name)  # ValueError for an unknown or invalid one
+    data = PRESETS[name]
+    if data["policy"] in WRAPPER_NAMES:
+        raise ValueError(f"preset {name!r} is a wrapper's dict; build it with preset()")
+    plain = policy_from_dict({k: v for k, v in data.items() if k not in ROUTE_KEYS} | {"text_preset": ""})
+    params = plain.to_dict()
+    params.pop("policy")
+    routes = {k: data[k] for k in ROUTE_KEYS if k in data}
+    routes.setdefault("text_preset", DEFAULT_TEXT_PRESET.get(data["policy"], ""))
+    return params | routes
+
+
+def register_preset(name: str, settings: dict[str, Any]) -> None:
+    """Add preset ``name`` (:func:`policy_from_dict`'s shape); ValueError for a taken name or settings no
+    policy accepts. Registered in a process, it is known there only (a route may name it)."""
+    if name in PRESETS:
+        if PRESETS[name] == settings:
+            return  # registered again by a re-imported module: the same preset
+        raise ValueError(f"compression preset {name!r} exists already")
+    policy_from_dict(settings)
+    PRESETS[name] = dict(settings)
 
 
 DEFAULT_BUDGET = 0.1
@@ -174,7 +284,7 @@ class CompressionSettings:
         """Whether the whole cache is kept (the ``full`` policy or budget >= 1); see ``Policy.is_full``."""
         return self.build_policy().is_full(self.budget)
 
-    def build_policy(self) -> Policy:
+    def build_policy(self) -> AnyPolicy:
         """The configured policy (allocator override and ``exact_budget`` applied)."""
         extra = {
             k: v

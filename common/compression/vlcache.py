@@ -4,8 +4,8 @@ Statistics: rows ``m - tau .. m-1`` (the language tokens after the last vision t
 last ``min(m, 8)`` rows (see ``selection.post_vision_start``). A text-only prompt (tau = m) has no
 post-vision text to tell it apart from the rest: its last ``text_window`` (32) tokens take that role, as
 SnapKV's observation window (they score the rest; kept outright, up to the window's cap, only with
-``post_vision_window``), when ``text_preset`` is "". By default a text-only prompt goes to the preset
-``vlcache_text_by_budget`` (protocol v2.2 and held-out seed 5, ``common/compression/README.md``): at 7.5% and
+``post_vision_window``). A request that names vlcache hands text-only prompts to the preset
+``vlcache_text_by_budget`` (a ``routing.ByPromptKind`` built by ``registry.get_policy``) (protocol v2.2 and held-out seed 5, ``common/compression/README.md``): at 7.5% and
 above ``vlcache_text_span`` (a 24-row observation window, 16-token spans after what it looks up), below it
 ``vlcache_text_lean_w24_skip32``.
 The prompts vlcache scores itself (image prompts; text-only ones too with ``text_preset=""``) mix in the
@@ -37,10 +37,11 @@ class VLCachePolicy(Policy):
     question's last tokens kept outright (up to half the budget), the ``ABLATION`` row "vlcache before
     draft-mass budgets". Algorithm 1 on the post-vision layer sparsity gamma_l = mean_h below_h / unmasked_h is
     ``allocator=Sparsity()``; the paper's policy as first shipped is the preset ``vlcache_paper``
-    (``presets.py``). Text-only prompts (no image): the preset ``vlcache_text_by_budget`` (``text_preset``,
-    chosen per prompt kind by protocol v2.2 on five text tasks, held-out seed 5), which pins its own allocator
-    and window; with ``text_preset=""`` a 32-token observation window (SnapKV's paper default) scores the
-    rest, with this policy's budgets and window settings.
+    (``presets.py``). Text-only prompts (no image), as a request naming vlcache gets it: the preset
+    ``vlcache_text_by_budget`` (``registry.DEFAULT_TEXT_PRESET``, chosen per prompt kind by protocol v2.2 on
+    five text tasks, held-out seed 5), which pins its own allocator and window; this policy on its own
+    (``text_preset=""``) scores them with a 32-token observation window (SnapKV's paper default), with its
+    budgets and window settings.
     """
 
     name = "vlcache"
@@ -49,4 +50,3 @@ class VLCachePolicy(Policy):
     pool_kernel: int = 3
     post_vision_window: bool = False
     text_window: int = 32
-    text_preset: str = "vlcache_text_by_budget"

@@ -313,7 +313,7 @@ def measure_chunk(
 
 def _acting(p, policy, budget: float) -> tuple:
     """What compresses ``p`` under ``policy`` at ``budget``: the policy that acts on this prompt
-    (``Policy.for_prompt``: a text-only prompt's ``text_preset``, the budget's own variant), every option of it,
+    (``for_prompt``: for a wrapper, the policy it hands ``p`` to at that budget), every option of it,
     and the statistics rows and draft steps ``policy_stats`` reads. Two candidates with the same key compress
     ``p`` to the same cache."""
     acting = policy.for_prompt(p.m, p.tau, budget)

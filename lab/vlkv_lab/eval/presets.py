@@ -1,5 +1,5 @@
 """Compression presets that were tried and not adopted: the lab's ablation rows and tests name them. Importing
-this module adds them to the product's presets (``vlkv.common.compression.presets.register``), in this process.
+this module adds them to the product's presets (``vlkv.common.compression.registry.register_preset``), in this process.
 
 ``vlcache_text_question``: ``vlcache_text_span`` whose observation window is the prompt's own final question
 (``question_min``/``question_max``: the tokens after the last line break of the user turn through the chat
@@ -56,7 +56,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlkv.common.compression.presets import PRESETS, register
+from vlkv.common.compression.presets import PRESETS
+from vlkv.common.compression.registry import register_preset
 
 _SPAN = PRESETS["vlcache_text_span"]
 LAB_PRESETS: dict[str, dict[str, Any]] = {}
@@ -93,4 +94,4 @@ for _k in (32, 48):
 del _k
 
 for _name, _settings in LAB_PRESETS.items():
-    register(_name, _settings)
+    register_preset(_name, _settings)

@@ -31,8 +31,7 @@ import json
 import re
 
 import torch
-from vlkv.common.compression.presets import preset_params
-from vlkv.common.compression.registry import get_policy
+from vlkv.common.compression.registry import get_policy, preset_params
 from vlkv.common.compression.selection import recent_count
 from vlkv.common.handoff.compact_kv import CompactKV
 

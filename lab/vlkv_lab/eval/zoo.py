@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlkv.common.compression.presets import PRESETS, preset_params
-from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES
+from vlkv.common.compression.presets import PRESETS
+from vlkv.common.compression.registry import DEFAULT_POLICY, POLICY_NAMES, preset_params
 from vlkv.common.config import ModelConfig
 from vlkv.deploy.jobs import parse_jobs
 from vlkv.deploy.pool import Pool, WorkerFailed

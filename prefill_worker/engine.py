@@ -9,7 +9,8 @@ attention joins the scores: ``draft_queries.py``), and lets the policy compress 
 :class:`CompactKV` (a full cache comes back bitwise unchanged). A verified request (``VerifyConfig.plan``)
 collects the statistics every candidate reads, drafts greedily over the full cache and keeps the candidate
 whose cache reproduces the draft best, raising the budget to meet its floor (``verifier.py``; the outcome is
-counted in ``ledger.Ledger``).
+counted in ``ledger.Ledger``). A verified ``continue`` turn checks the previous turn's compact cache with the
+new tokens appended against the draft first, and keeps it only when it meets the floor (``run_verified``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from vlkv.prefill_worker.image_reuse import ImageReuser, ReuseReport
 from vlkv.prefill_worker.ledger import LEARNED_KIND, Ledger
 from vlkv.prefill_worker.prefix_cache import PrefixCache
 from vlkv.prefill_worker.prefix_reuse import PrefixReport, PrefixReuser
-from vlkv.prefill_worker.verifier import Candidate, Verdict, verify
+from vlkv.prefill_worker.verifier import Candidate, Verdict, check_continued, verify
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class PrefillResult:
     window_saved_bytes: int = 0  # full-cache bytes the binding sliding windows never keep
     prefix: PrefixReport | None = None  # what the prefix cache did (None: no prefix cache on this worker)
     continued_tokens: int = 0  # conversation "continue": tokens appended to the previous turn's compact cache
+    continue_refused: bool = False  # a verified "continue" turn's continued cache fell short: re-compressed
 
 
 def _window_saved(windows, m: int, ckv: CompactKV) -> int:
@@ -233,34 +235,38 @@ class PrefillEngine:
         keep = req.reuse.enabled and req.reuse.conversation == "continue"
         keep = keep and self.retained is not None and self.retained.enabled
         keyed = self.prefixes.keys_of(req)[0] if keep else []
-        if keep and (result := self.run_continued(req, keyed)) is not None:
-            return result
-        plan = self.verify_config.plan(req.compression) if self.verify_config is not None else None
-        result = self.run_verified(req, plan) if plan is not None else self.run_fixed(req)
-        if keep:
-            ids = tuple(req.input_ids.reshape(-1).tolist())
-            self.retained.put(keyed, RetainedCache(ids, result.cache, result.policy))
-        return result
-
-    def run_continued(self, req: PreparedRequest, keyed: list[str]) -> PrefillResult | None:
-        """Conversation "continue": the prompt's new tokens appended to the compact cache kept for the
-        longest earlier prompt it extends (``continuation.py``); None when none is kept."""
         ids = req.input_ids.reshape(-1).tolist()
         layout = (self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
-        entry = self.retained.find(keyed, ids, layout, self.spec.dtype)
-        if entry is None:
-            return None
+        entry = self.retained.find(keyed, ids, layout, self.spec.dtype) if keep else None
+        plan = self.verify_config.plan(req.compression) if self.verify_config is not None else None
+        if entry is not None and plan is None:
+            result = self.run_continued(req, entry)
+        elif plan is not None:
+            result = self.run_verified(req, plan, entry)
+        else:
+            result = self.run_fixed(req)
+        if keep:
+            self.retained.put(keyed, RetainedCache(tuple(ids), result.cache, result.policy))
+        return result
+
+    def run_continued(self, req: PreparedRequest, entry: RetainedCache) -> PrefillResult:
+        """Conversation "continue", unverified: the prompt's new tokens appended to the compact cache kept for
+        the longest earlier prompt it extends (``continuation.py``)."""
         start = time.perf_counter()
-        new = ids[len(entry.ids) :]
-        cut = binding_windows(self.spec.windows, req.m, req.sampling.max_new_tokens)
-        ckv, logits = append_tokens(self.model, entry.cache, new, cut)
+        ckv, logits, cut = self._append(req, entry)
         ckv.first_token = self._first_token(logits, req.sampling)
-        self.retained.put(keyed, RetainedCache(tuple(ids), ckv, entry.policy))
         ms = (time.perf_counter() - start) * 1000
         saved = _window_saved(cut, req.m, ckv)
+        new = req.m - len(entry.ids)
         return PrefillResult(
-            ckv, req.modality, entry.policy, ms, window_saved_bytes=saved, continued_tokens=len(new)
+            ckv, req.modality, entry.policy, ms, window_saved_bytes=saved, continued_tokens=new
         )
+
+    def _append(self, req: PreparedRequest, entry: RetainedCache):
+        ids = req.input_ids.reshape(-1).tolist()
+        cut = binding_windows(self.spec.windows, req.m, req.sampling.max_new_tokens)
+        ckv, logits = append_tokens(self.model, entry.cache, ids[len(entry.ids) :], cut)
+        return ckv, logits, cut
 
     def _draft(self, keys, values, first: int, steps: int):
         """The greedy draft over the full cache, with each step's log-probabilities (batched with the other
@@ -292,9 +298,13 @@ class PrefillEngine:
         first = same[0] if same else Candidate(f"profile: {entry.candidate}", entry.policy)
         return [first, *[c for c in ordered if c is not first]], learned, profile.label
 
-    def run_verified(self, req: PreparedRequest, plan: VerifyPlan) -> PrefillResult:
+    def run_verified(
+        self, req: PreparedRequest, plan: VerifyPlan, previous: RetainedCache | None = None
+    ) -> PrefillResult:
         """One prefill, every candidate's statistics, a greedy draft over the full cache, then the verifier
-        (``verifier.verify``) keeps the cache that reproduces the draft best."""
+        (``verifier.verify``) keeps the cache that reproduces the draft best. ``previous``: a ``continue`` turn's
+        previous compact cache; with the new tokens appended it is checked first and handed off when its
+        agreement meets the floor (the prefix cache makes the full forward cost only the new tokens)."""
         start = time.perf_counter()
         m, tau = req.modality.m, req.modality.tau
         question = prompt_question(req.input_ids, tau >= m, self.spec.turns)
@@ -337,7 +347,35 @@ class PrefillEngine:
                 windows=windows,
             )
 
+        refused = False
+        if previous is not None:
+            appended, _, _ = self._append(req, previous)
+            appended.first_token = first  # the full cache's own first token
+            held, verdict = check_continued(self.model, appended, plan, compression.budget, draft)
+            if held:
+                t_end = time.perf_counter()
+                ms = (t_end - start) * 1000
+                return PrefillResult(
+                    appended,
+                    req.modality,
+                    previous.policy,
+                    ms,
+                    reuse,
+                    verdict=verdict,
+                    draft_ms=(t_verify - t_draft) * 1000,
+                    verify_ms=(t_end - t_verify) * 1000,
+                    window_saved_bytes=_window_saved(windows, m, appended),
+                    prefix=prefix,
+                    continued_tokens=m - len(previous.ids),
+                )
+            refused = True
+            log.info(
+                "continued cache short of the floor (%.3f < %.3f): re-compressed",
+                verdict.agreement,
+                plan.floor,
+            )
         ckv, verdict = verify(self.model, candidates, plan, compression.budget, compress, draft, learned)
+        verdict.verified += int(refused)
         t_end = time.perf_counter()
         kept = next(c for c in candidates if c.label == verdict.candidate)
         self._count(compression.budget, verdict, kept.policy)
@@ -346,7 +384,18 @@ class PrefillEngine:
         draft_ms, verify_ms = (t_verify - t_draft) * 1000, (t_end - t_verify) * 1000
         saved = _window_saved(windows, m, ckv)
         return PrefillResult(
-            ckv, req.modality, name, ms, reuse, label, verdict, draft_ms, verify_ms, saved, prefix
+            ckv,
+            req.modality,
+            name,
+            ms,
+            reuse,
+            label,
+            verdict,
+            draft_ms,
+            verify_ms,
+            saved,
+            prefix,
+            continue_refused=refused,
         )
 
     def _count(self, budget: float, verdict: Verdict, policy) -> None:

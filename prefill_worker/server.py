@@ -150,6 +150,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             kv_bytes_window_saved=result.window_saved_bytes,
             cached_prompt_tokens=result.prefix.cached_tokens if result.prefix else 0,
             continued_tokens=result.continued_tokens,
+            continue_refused=result.continue_refused,
             **verdict_fields(result.verdict),
         )
 

@@ -133,6 +133,31 @@ def verify(
     return cache, verdict
 
 
+CONTINUED = "continue"
+"""The verdict's candidate when a ``continue`` turn's continued cache was kept."""
+
+
+@torch.inference_mode()
+def check_continued(
+    model, cache: CompactKV, plan: VerifyPlan, budget: float, draft: Draft
+) -> tuple[bool, Verdict]:
+    """Whether a continued cache (the previous turn's compact cache with the new tokens appended) reproduces
+    the full cache's draft at ``plan.floor`` (select mode too: it is kept only where it holds), and its verdict."""
+    ((agree, kl),) = _score(model, [cache], draft)
+    verdict = Verdict(
+        mode=plan.mode,
+        candidate=CONTINUED,
+        agreement=agree,
+        kl=kl,
+        raises=0,
+        floor_met=agree >= plan.floor,
+        budget=budget,
+        draft_tokens=len(draft.inputs),
+        verified=1,
+    )
+    return verdict.floor_met, verdict
+
+
 def verdict_fields(verdict: Verdict | None) -> dict:
     """The verdict as ``PrefillReply``'s (and ``Usage``'s) fields of the same names; {} when not verified."""
     if verdict is None:

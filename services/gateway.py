@@ -406,6 +406,7 @@ PREFILL_USAGE_FIELDS = (
     "kv_bytes_window_saved",
     "cached_prompt_tokens",
     "continued_tokens",
+    "continue_refused",
 )
 
 

@@ -359,6 +359,7 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "compression_profile": u.compression_profile,
             "kv_bytes_window_saved": u.kv_bytes_window_saved,
             "continued_tokens": u.continued_tokens,
+            "continue_refused": u.continue_refused,
             "verification": None
             if not u.verify
             else {

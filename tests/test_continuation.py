@@ -71,6 +71,23 @@ def test_without_opting_in_a_follow_up_is_recompressed(cluster):
     assert usage.continued_tokens == 0 and usage.cached_prompt_tokens > 0  # from the prefix cache instead
 
 
+def test_a_verified_follow_up_says_through_the_api_that_it_continued(cluster):
+    image = png(48)
+
+    def verified(turns):
+        req = chat_request(conversation(turns), image, policy="vlcache", budget=0.1)
+        req.reuse.conversation = "continue"
+        req.compression.verify, req.compression.fidelity_floor = "floor", 0.0
+        return run(cluster.stub, req)[1]
+
+    first, second = verified(1), verified(2)
+    assert first.continued_tokens == 0 and first.verified_candidate != "continue"
+    assert second.verified_candidate == "continue" and second.continued_tokens > 0
+    assert not second.continue_refused and second.floor_met and second.draft_tokens > 0
+    new = second.prompt_tokens - first.prompt_tokens
+    assert list(second.layer_budgets) == [k + new for k in first.layer_budgets]
+
+
 def test_a_bad_conversation_mode_is_invalid_argument(cluster):
     with pytest.raises(grpc.RpcError) as err:
         ask(cluster, 1, png(44), conversation_mode="sometimes")
@@ -120,3 +137,46 @@ def test_append_tokens_matches_teacher_forcing():
     assert ckv.prompt_length == res.cache.prompt_length + len(tokens)
     for a, b in zip(ckv.keys, res.cache.keys, strict=True):
         assert torch.equal(a[:, : b.shape[1]], b)
+
+
+def _verified_turns(floor: float, spoil: bool = False):
+    """A first turn and its follow-up, both ``continue`` and verified at ``floor``; ``spoil`` zeroes the kept
+    compact cache's values before the follow-up (a cache that cannot reproduce the draft)."""
+    from test_prefix_cache import InProcessEngine, load_model, load_processor
+    from vlkv.common.compression.registry import CompressionSettings
+    from vlkv.common.compression.verify import VerifyConfig
+    from vlkv.prefill_worker.engine import PrefillEngine
+    from vlkv.prefill_worker.prefix_cache import PrefixCache
+
+    cfg = ModelConfig()
+    eng = InProcessEngine(load_model(cfg), load_processor(cfg.path))
+    pe = PrefillEngine(
+        eng.model, eng.spec, None, verify_config=VerifyConfig(), prefix_cache=PrefixCache(64 << 20, 4)
+    )
+    settings = CompressionSettings("vlcache", 0.1, 0.01, verify="floor", fidelity_floor=floor, max_budget=0.1)
+    img = [png(47)]
+    first = pe.run(_continue(eng.prepare(img, prompt=prompts(1), compression=settings)))
+    if spoil:
+        for entry in pe.retained._entries.values():
+            entry.cache.values = [torch.zeros_like(v) for v in entry.cache.values]
+    follow = _continue(eng.prepare(img, prompt=prompts(2), compression=settings))
+    fresh = PrefillEngine(
+        eng.model, eng.spec, None, verify_config=VerifyConfig(), prefix_cache=PrefixCache(64 << 20, 4)
+    )
+    recompressed = fresh.run(eng.prepare(img, prompt=prompts(2), compression=settings))
+    return first, pe.run(follow), recompressed
+
+
+def test_a_verified_follow_up_continues_only_where_the_continued_cache_meets_the_floor():
+    first, held, recompressed = _verified_turns(floor=0.0)
+    new = held.cache.prompt_length - first.cache.prompt_length
+    assert held.continued_tokens == new > 0 and not held.continue_refused
+    assert held.verdict.candidate == "continue" and held.verdict.verified == 1 and held.verdict.floor_met
+    assert held.cache.layer_lengths == [k + new for k in first.cache.layer_lengths]
+    assert held.cache.first_token == recompressed.cache.first_token  # the full cache's first token
+    _, refused, recompressed = _verified_turns(floor=1.0, spoil=True)
+    assert refused.continue_refused and refused.continued_tokens == 0
+    assert refused.verdict.candidate != "continue"
+    assert refused.verdict.verified == recompressed.verdict.verified + 1  # the continued cache, then the set
+    assert refused.cache.layer_lengths == recompressed.cache.layer_lengths
+    assert refused.cache.first_token == recompressed.cache.first_token

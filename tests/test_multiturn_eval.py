@@ -70,6 +70,8 @@ def test_at_full_budget_every_arm_answers_as_the_full_cache(tiny):
         for arm in multiturn.ARMS:
             assert cell[arm]["texts"] == cell["full"]["texts"], (turn, arm)
             assert cell[arm]["ratio"] == pytest.approx(1.0)
+        if turn != "1":  # a whole cache with the new tokens appended reproduces the full cache's draft
+            assert cell["held"] == len(_chats())
 
 
 def test_continuation_keeps_every_appended_token(tiny):
@@ -83,5 +85,10 @@ def test_continuation_keeps_every_appended_token(tiny):
     assert cont[0] == pytest.approx(rc[0])
     assert cont[0] < cont[1] < cont[2]
     assert max(rc) < 0.2
+    for t in ("2", "3"):  # a verified turn keeps the continued cache or the re-compressed one, nothing else
+        cell = r["turns"][t]["0.1"]
+        ver, held = cell["verified"]["ratio"], cell["held"]
+        assert 0 <= held <= len(_chats())
+        assert (ver > cell["recompress"]["ratio"]) == (held > 0)
     table = multiturn.table({"tiny": r})
     assert "| 3 | 10% |" in table

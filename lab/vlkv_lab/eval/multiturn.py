@@ -21,7 +21,10 @@ full cache; ``recompress`` the default policy over the whole prompt (the prefix 
 same K/V a cold prefill computes, ``tests/test_prefix_cache.py``); ``continue`` the first turn's compact
 cache with each later turn's new tokens appended (``prefill_worker.continuation.append_tokens``, as the
 prefill worker continues; a prompt that does not extend the last one falls back to ``recompress`` and is
-counted); ``oracle`` the cache the full answer itself attends to most, at the default's per-layer budgets
+counted); ``verified`` continuation as a verified server serves it (``PrefillEngine.run_verified``): each
+turn's continued cache is teacher-forced against the full cache's greedy draft and kept only when its
+agreement meets the default floor, else the turn is re-compressed (the default policy, unverified here; the
+chain carries on from whichever cache was kept; the held share is counted); ``oracle`` the cache the full answer itself attends to most, at the default's per-layer budgets
 (``oracle.py``: a ceiling, not a policy). The ratio is the realized one: kept tokens over the prompt's, all
 layers; a continued cache keeps every appended token, so its ratio grows per turn.
 
@@ -40,10 +43,13 @@ from typing import Any
 
 import torch
 from vlkv.common.compression.registry import DEFAULT_POLICY
+from vlkv.common.compression.verify import DEFAULT_DRAFT_TOKENS, DEFAULT_FLOOR, VerifyPlan
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
 from vlkv.prefill_worker.continuation import append_tokens
+from vlkv.prefill_worker.draft_queries import run_draft
+from vlkv.prefill_worker.verifier import check_continued
 
 from vlkv_lab.eval.evaluation import compress, decode_batch, prepare
 from vlkv_lab.eval.oracle import answer_attention, oracle_cache
@@ -52,7 +58,8 @@ from vlkv_lab.zoo.text_suite import TextItem
 from vlkv_lab.zoo.text_suite import is_correct as text_correct
 
 TURNS = 3
-ARMS = ("full", "recompress", "continue", "oracle")
+ARMS = ("full", "recompress", "continue", "verified", "oracle")
+PLAN = VerifyPlan("floor", DEFAULT_FLOOR, 1.0, DEFAULT_DRAFT_TOKENS)  # the server's default floor and draft
 KINDS = ("number", "code", "word")
 
 
@@ -176,10 +183,12 @@ def _score(model, processor, prepared, caches: list[CompactKV], max_new: int):
 
 
 def run_suite(model, processor, chats: list[Chat], task: TurnTask, budgets, max_new: int, log=print) -> dict:
-    """``{turn: {budget: {arm: {"right": [...], "ratio": mean}}}}`` plus the fallbacks of ``continue``."""
+    """``{turn: {budget: {arm: {"right": [...], "ratio": mean}}}}`` plus the fallbacks of ``continue`` and,
+    per turn and budget, how many ``verified`` continued caches held (``"held"``)."""
     spec = ModelSpec.from_model(model, processor.tokenizer)
     answers: list[list[str]] = [[] for _ in chats]
     carried: dict[float, list[CompactKV]] = {}
+    checked: dict[float, list[CompactKV]] = {}
     last_ids: list[list[int]] = [[] for _ in chats]
     out: dict = {"turns": {}, "fallbacks": 0, "n": len(chats)}
     for turn in range(TURNS):
@@ -193,6 +202,15 @@ def run_suite(model, processor, chats: list[Chat], task: TurnTask, budgets, max_
         full = [compress(p, "full", 1.0) for p in prepared]
         right_full, texts, full_ids = _score(model, processor, prepared, full, max_new)
         attention = [answer_attention(model, p, a) for p, a in zip(prepared, full_ids, strict=True)]
+        eos = spec.eos_token_ids
+        drafts = (
+            [
+                run_draft(model, p.keys, p.values, p.first_token, PLAN.draft_tokens, eos, logprobs=True)
+                for p in prepared
+            ]
+            if turn
+            else []
+        )
         rows: dict = {}
         for b in budgets:
             rc = [compress(p, DEFAULT_POLICY, b) for p in prepared]
@@ -200,24 +218,25 @@ def run_suite(model, processor, chats: list[Chat], task: TurnTask, budgets, max_
                 oracle_cache(p, att, c.layer_lengths)
                 for p, att, c in zip(prepared, attention, rc, strict=True)
             ]
-            if turn == 0:
-                cont = rc
-            else:
-                cont = []
-                for i, prev in enumerate(carried[b]):
-                    n = len(last_ids[i])
-                    if (
-                        ids[i][:n] != last_ids[i] or len(ids[i]) <= n
-                    ):  # not an extension: served as recompress
-                        out["fallbacks"] += 1
-                        cont.append(rc[i])
-                        continue
-                    ckv, logits = append_tokens(model, prev, ids[i][n:])
-                    ckv.first_token = int(logits.argmax())
-                    cont.append(ckv)
-            carried[b] = cont
-            cell = {"full": {"right": right_full, "ratio": 1.0, "texts": texts}}
-            for arm, caches in (("recompress", rc), ("continue", cont), ("oracle", orc)):
+            cont, ver, held = (rc, rc, 0) if turn == 0 else ([], [], 0)
+            for i in range(len(chats)) if turn else ():
+                n = len(last_ids[i])
+                if ids[i][:n] != last_ids[i] or len(ids[i]) <= n:  # not an extension: served as recompress
+                    out["fallbacks"] += 1
+                    cont.append(rc[i])
+                    ver.append(rc[i])
+                    continue
+                ckv, logits = append_tokens(model, carried[b][i], ids[i][n:])
+                ckv.first_token = int(logits.argmax())
+                cont.append(ckv)
+                checked_ckv, _ = append_tokens(model, checked[b][i], ids[i][n:])
+                checked_ckv.first_token = prepared[i].first_token  # the full cache's, as the server's
+                ok, _ = check_continued(model, checked_ckv, PLAN, b, drafts[i])
+                held += ok
+                ver.append(checked_ckv if ok else rc[i])
+            carried[b], checked[b] = cont, ver
+            cell = {"full": {"right": right_full, "ratio": 1.0, "texts": texts}, "held": held}
+            for arm, caches in (("recompress", rc), ("continue", cont), ("verified", ver), ("oracle", orc)):
                 right, arm_texts, _ = _score(model, processor, prepared, caches, max_new)
                 ratio = sum(c.compression_ratio for c in caches) / len(caches)
                 cell[arm] = {"right": right, "ratio": ratio, "texts": arm_texts}
@@ -237,7 +256,10 @@ def table(results: dict) -> str:
     lines = []
     for suite, r in results.items():
         lines += [f"### {suite} (n = {r['n']}, continue fell back {r['fallbacks']} times)", ""]
-        lines += ["| turn | budget | full | recompress | continue | oracle |", "|---|---|---|---|---|---|"]
+        lines += [
+            "| turn | budget | full | recompress | continue | verified continue | held | oracle |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for turn, rows in r["turns"].items():
             for b, cell in rows.items():
                 parts = []
@@ -245,9 +267,14 @@ def table(results: dict) -> str:
                     c = cell[arm]
                     acc = sum(c["right"]) / len(c["right"])
                     parts.append(f"{acc:.2f}" if arm == "full" else f"{acc:.2f} ({c['ratio']:.3f})")
+                    if arm == "verified":
+                        parts.append(f"{cell['held']}/{len(c['right'])}" if turn != "1" else "-")
                 lines.append(f"| {turn} | {float(b):.0%} | " + " | ".join(parts) + " |")
         lines.append("")
-    lines.append("accuracy (realized ratio: kept tokens over the prompt's, all layers)")
+    lines.append(
+        "accuracy (realized ratio: kept tokens over the prompt's, all layers); held: verified continued caches"
+        f" that met the floor {PLAN.floor} on a {PLAN.draft_tokens}-token draft (the rest re-compressed)"
+    )
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from vlkv.v1 import generate_pb2 as vlkv_dot_v1_dot_generate__pb2
 from vlkv.v1 import kv_pb2 as vlkv_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14vlkv/v1/worker.proto\x12\x07vlkv.v1\x1a\x16vlkv/v1/generate.proto\x1a\x10vlkv/v1/kv.proto\"\xb5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x11\n\tinput_ids\x18\x07 \x03(\r\x12\x14\n\x0cvision_spans\x18\x08 \x03(\r\x12%\n\x0cmodel_inputs\x18\t \x03(\x0b\x32\x0f.vlkv.v1.Tensor\x12\x14\n\x0cimage_hashes\x18\x14 \x03(\t\x12#\n\x05reuse\x18\x16 \x01(\x0b\x32\x14.vlkv.v1.ReuseParamsJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x15\x10\x16\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x86\x05\n\x0cPrefillReply\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x1a\n\x12post_vision_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x05 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x07 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x08 \x03(\r\x12\x12\n\nprefill_ms\x18\t \x01(\x02\x12\x13\n\x0btransfer_ms\x18\n \x01(\x02\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x17\n\x0fimage_cache_hit\x18\x14 \x01(\x08\x12\x1f\n\x17recomputed_image_tokens\x18\x15 \x01(\r\x12\x17\n\x0frecompute_ratio\x18\x16 \x01(\x02\x12\x1b\n\x13\x63ompression_profile\x18\x17 \x01(\t\x12\x1a\n\x12verified_candidate\x18\x18 \x01(\t\x12\x1a\n\x12verified_agreement\x18\x19 \x01(\x02\x12\x13\n\x0bverified_kl\x18\x1a \x01(\x02\x12\x15\n\rbudget_raises\x18\x1b \x01(\r\x12\x11\n\tfloor_met\x18\x1c \x01(\x08\x12\x0e\n\x06verify\x18\x1d \x01(\t\x12\x17\n\x0fverified_budget\x18\x1e \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x1f \x01(\r\x12\x1d\n\x15kv_bytes_window_saved\x18  \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18! \x01(\r\x12\x18\n\x10\x63ontinued_tokens\x18\" \x01(\r\"4\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"?\n\x0bTransferAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x18\n\x10\x62locks_allocated\x18\x02 \x01(\r\"\r\n\x0bLoadRequest\"\xe0\x04\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x64mit_blocks\x18\t \x01(\r\x12\x1b\n\x13reserves_new_tokens\x18\n \x01(\x08\x12\x0f\n\x07swapped\x18\x0b \x01(\r\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12-\n\x0bimage_cache\x18\x14 \x01(\x0b\x32\x18.vlkv.v1.ImageCacheStats\x12\x10\n\x08kv_dtype\x18\r \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x0e \x01(\x04\x12*\n\x0cimages_added\x18\x15 \x03(\x0b\x32\x14.vlkv.v1.ImageDigest\x12,\n\x0eimages_evicted\x18\x16 \x03(\x0b\x32\x14.vlkv.v1.ImageDigest\x12\x13\n\x0bimages_full\x18\x17 \x01(\x08\x12\x1b\n\x13\x63ompression_profile\x18\x18 \x01(\t\x12(\n\x08verifier\x18\x19 \x01(\x0b\x32\x16.vlkv.v1.VerifierStats\x12\x1d\n\x15kv_bytes_window_saved\x18\x1a \x01(\x04\x12/\n\x0cprefix_cache\x18\x1b \x01(\x0b\x32\x19.vlkv.v1.PrefixCacheStats\"\xd3\x01\n\x10PrefixCacheStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07lookups\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x10\n\x08rejected\x18\t \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\"\xb9\x03\n\rVerifierStats\x12\x10\n\x08verified\x18\x01 \x01(\x04\x12\x15\n\rbudget_raises\x18\x02 \x01(\x04\x12\x14\n\x0c\x66loor_misses\x18\x03 \x01(\x04\x12.\n\x04wins\x18\x04 \x03(\x0b\x32 .vlkv.v1.VerifierStats.WinsEntry\x12\x41\n\x0emean_agreement\x18\x05 \x03(\x0b\x32).vlkv.v1.VerifierStats.MeanAgreementEntry\x12\x43\n\x0f\x62ucket_requests\x18\x06 \x03(\x0b\x32*.vlkv.v1.VerifierStats.BucketRequestsEntry\x12\x17\n\x0flearned_profile\x18\x07 \x01(\t\x1a+\n\tWinsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x34\n\x12MeanAgreementEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x35\n\x13\x42ucketRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"1\n\x0bImageDigest\x12\x12\n\nimage_hash\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x98\x01\n\x0fImageCacheStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\r\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x17\n\x0fhint_mismatches\x18\x07 \x01(\x04\"c\n\x13NixlTransferRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.NixlOpenH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.vlkv.v1.NixlDoneH\x00\x42\x06\n\x04part\"B\n\x08NixlOpen\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.KVHeader\x12\x13\n\x0bknown_agent\x18\x02 \x01(\t\"J\n\x08NixlDone\x12\x14\n\x0clayer_crc32c\x18\x01 \x03(\x07\x12\x12\n\nkey_scales\x18\x02 \x03(\x0c\x12\x14\n\x0cvalue_scales\x18\x03 \x03(\x0c\"i\n\x11NixlTransferReply\x12\'\n\x07regions\x18\x01 \x01(\x0b\x32\x14.vlkv.v1.NixlRegionsH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.vlkv.v1.TransferAckH\x00\x42\x06\n\x04part\"\xb6\x01\n\x0bNixlRegions\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fwrite_window_ms\x18\x06 \x01(\r\x12)\n\x06layers\x18\x07 \x03(\x0b\x32\x19.vlkv.v1.NixlLayerRegions\"K\n\x10NixlLayerRegions\x12\x11\n\tkey_addrs\x18\x01 \x03(\x04\x12\x13\n\x0bvalue_addrs\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\x04*\xe8\x01\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x15\n\x11REFUSAL_POOL_FULL\x10\x01\x12\x16\n\x12REFUSAL_NEVER_FITS\x10\x02\x12 \n\x1cREFUSAL_FINGERPRINT_MISMATCH\x10\x03\x12\x1b\n\x17REFUSAL_LAYOUT_MISMATCH\x10\x04\x12\x1b\n\x17REFUSAL_HAND_OFF_FAILED\x10\x05\x12\x16\n\x12REFUSAL_SUPERSEDED\x10\x06\x12!\n\x1dREFUSAL_TRANSPORT_UNAVAILABLE\x10\x07\x32\xba\x01\n\rPrefillWorker\x12\x39\n\x07Prefill\x12\x17.vlkv.v1.PrefillRequest\x1a\x15.vlkv.v1.PrefillReply\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad\x12\x38\n\tWatchLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad0\x01\x32\xc5\x02\n\x0c\x44\x65\x63odeWorker\x12\x36\n\nTransferKV\x12\x10.vlkv.v1.KVChunk\x1a\x14.vlkv.v1.TransferAck(\x01\x12N\n\x0eTransferKVNixl\x12\x1c.vlkv.v1.NixlTransferRequest\x1a\x1a.vlkv.v1.NixlTransferReply(\x01\x30\x01\x12=\n\x06\x44\x65\x63ode\x12\x16.vlkv.v1.DecodeRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad\x12\x38\n\tWatchLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14vlkv/v1/worker.proto\x12\x07vlkv.v1\x1a\x16vlkv/v1/generate.proto\x1a\x10vlkv/v1/kv.proto\"\xb5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.vlkv.v1.SamplingParams\x12/\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1a.vlkv.v1.CompressionParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x11\n\tinput_ids\x18\x07 \x03(\r\x12\x14\n\x0cvision_spans\x18\x08 \x03(\r\x12%\n\x0cmodel_inputs\x18\t \x03(\x0b\x32\x0f.vlkv.v1.Tensor\x12\x14\n\x0cimage_hashes\x18\x14 \x03(\t\x12#\n\x05reuse\x18\x16 \x01(\x0b\x32\x14.vlkv.v1.ReuseParamsJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x15\x10\x16\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xa0\x05\n\x0cPrefillReply\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rvision_tokens\x18\x02 \x01(\r\x12\x1a\n\x12post_vision_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x15\n\rkv_bytes_kept\x18\x05 \x01(\x04\x12\x15\n\rkv_bytes_full\x18\x06 \x01(\x04\x12\x19\n\x11\x63ompression_ratio\x18\x07 \x01(\x02\x12\x15\n\rlayer_budgets\x18\x08 \x03(\r\x12\x12\n\nprefill_ms\x18\t \x01(\x02\x12\x13\n\x0btransfer_ms\x18\n \x01(\x02\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x17\n\x0fimage_cache_hit\x18\x14 \x01(\x08\x12\x1f\n\x17recomputed_image_tokens\x18\x15 \x01(\r\x12\x17\n\x0frecompute_ratio\x18\x16 \x01(\x02\x12\x1b\n\x13\x63ompression_profile\x18\x17 \x01(\t\x12\x1a\n\x12verified_candidate\x18\x18 \x01(\t\x12\x1a\n\x12verified_agreement\x18\x19 \x01(\x02\x12\x13\n\x0bverified_kl\x18\x1a \x01(\x02\x12\x15\n\rbudget_raises\x18\x1b \x01(\r\x12\x11\n\tfloor_met\x18\x1c \x01(\x08\x12\x0e\n\x06verify\x18\x1d \x01(\t\x12\x17\n\x0fverified_budget\x18\x1e \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x1f \x01(\r\x12\x1d\n\x15kv_bytes_window_saved\x18  \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18! \x01(\r\x12\x18\n\x10\x63ontinued_tokens\x18\" \x01(\r\x12\x18\n\x10\x63ontinue_refused\x18# \x01(\x08\"4\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"?\n\x0bTransferAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x18\n\x10\x62locks_allocated\x18\x02 \x01(\r\"\r\n\x0bLoadRequest\"\xe0\x04\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x64mit_blocks\x18\t \x01(\r\x12\x1b\n\x13reserves_new_tokens\x18\n \x01(\x08\x12\x0f\n\x07swapped\x18\x0b \x01(\r\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12-\n\x0bimage_cache\x18\x14 \x01(\x0b\x32\x18.vlkv.v1.ImageCacheStats\x12\x10\n\x08kv_dtype\x18\r \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x0e \x01(\x04\x12*\n\x0cimages_added\x18\x15 \x03(\x0b\x32\x14.vlkv.v1.ImageDigest\x12,\n\x0eimages_evicted\x18\x16 \x03(\x0b\x32\x14.vlkv.v1.ImageDigest\x12\x13\n\x0bimages_full\x18\x17 \x01(\x08\x12\x1b\n\x13\x63ompression_profile\x18\x18 \x01(\t\x12(\n\x08verifier\x18\x19 \x01(\x0b\x32\x16.vlkv.v1.VerifierStats\x12\x1d\n\x15kv_bytes_window_saved\x18\x1a \x01(\x04\x12/\n\x0cprefix_cache\x18\x1b \x01(\x0b\x32\x19.vlkv.v1.PrefixCacheStats\"\xd3\x01\n\x10PrefixCacheStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07lookups\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x10\n\x08rejected\x18\t \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\"\xb9\x03\n\rVerifierStats\x12\x10\n\x08verified\x18\x01 \x01(\x04\x12\x15\n\rbudget_raises\x18\x02 \x01(\x04\x12\x14\n\x0c\x66loor_misses\x18\x03 \x01(\x04\x12.\n\x04wins\x18\x04 \x03(\x0b\x32 .vlkv.v1.VerifierStats.WinsEntry\x12\x41\n\x0emean_agreement\x18\x05 \x03(\x0b\x32).vlkv.v1.VerifierStats.MeanAgreementEntry\x12\x43\n\x0f\x62ucket_requests\x18\x06 \x03(\x0b\x32*.vlkv.v1.VerifierStats.BucketRequestsEntry\x12\x17\n\x0flearned_profile\x18\x07 \x01(\t\x1a+\n\tWinsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x34\n\x12MeanAgreementEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x35\n\x13\x42ucketRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"1\n\x0bImageDigest\x12\x12\n\nimage_hash\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x98\x01\n\x0fImageCacheStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\r\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x17\n\x0fhint_mismatches\x18\x07 \x01(\x04\"c\n\x13NixlTransferRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.NixlOpenH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.vlkv.v1.NixlDoneH\x00\x42\x06\n\x04part\"B\n\x08NixlOpen\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.vlkv.v1.KVHeader\x12\x13\n\x0bknown_agent\x18\x02 \x01(\t\"J\n\x08NixlDone\x12\x14\n\x0clayer_crc32c\x18\x01 \x03(\x07\x12\x12\n\nkey_scales\x18\x02 \x03(\x0c\x12\x14\n\x0cvalue_scales\x18\x03 \x03(\x0c\"i\n\x11NixlTransferReply\x12\'\n\x07regions\x18\x01 \x01(\x0b\x32\x14.vlkv.v1.NixlRegionsH\x00\x12#\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.vlkv.v1.TransferAckH\x00\x42\x06\n\x04part\"\xb6\x01\n\x0bNixlRegions\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fwrite_window_ms\x18\x06 \x01(\r\x12)\n\x06layers\x18\x07 \x03(\x0b\x32\x19.vlkv.v1.NixlLayerRegions\"K\n\x10NixlLayerRegions\x12\x11\n\tkey_addrs\x18\x01 \x03(\x04\x12\x13\n\x0bvalue_addrs\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\x04*\xe8\x01\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x15\n\x11REFUSAL_POOL_FULL\x10\x01\x12\x16\n\x12REFUSAL_NEVER_FITS\x10\x02\x12 \n\x1cREFUSAL_FINGERPRINT_MISMATCH\x10\x03\x12\x1b\n\x17REFUSAL_LAYOUT_MISMATCH\x10\x04\x12\x1b\n\x17REFUSAL_HAND_OFF_FAILED\x10\x05\x12\x16\n\x12REFUSAL_SUPERSEDED\x10\x06\x12!\n\x1dREFUSAL_TRANSPORT_UNAVAILABLE\x10\x07\x32\xba\x01\n\rPrefillWorker\x12\x39\n\x07Prefill\x12\x17.vlkv.v1.PrefillRequest\x1a\x15.vlkv.v1.PrefillReply\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad\x12\x38\n\tWatchLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad0\x01\x32\xc5\x02\n\x0c\x44\x65\x63odeWorker\x12\x36\n\nTransferKV\x12\x10.vlkv.v1.KVChunk\x1a\x14.vlkv.v1.TransferAck(\x01\x12N\n\x0eTransferKVNixl\x12\x1c.vlkv.v1.NixlTransferRequest\x1a\x1a.vlkv.v1.NixlTransferReply(\x01\x30\x01\x12=\n\x06\x44\x65\x63ode\x12\x16.vlkv.v1.DecodeRequest\x1a\x19.vlkv.v1.GenerateResponse0\x01\x12\x34\n\x07GetLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad\x12\x38\n\tWatchLoad\x12\x14.vlkv.v1.LoadRequest\x1a\x13.vlkv.v1.WorkerLoad0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,50 +39,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERSTATS_MEANAGREEMENTENTRY']._serialized_options = b'8\001'
   _globals['_VERIFIERSTATS_BUCKETREQUESTSENTRY']._loaded_options = None
   _globals['_VERIFIERSTATS_BUCKETREQUESTSENTRY']._serialized_options = b'8\001'
-  _globals['_REFUSAL']._serialized_start=3328
-  _globals['_REFUSAL']._serialized_end=3560
+  _globals['_REFUSAL']._serialized_start=3354
+  _globals['_REFUSAL']._serialized_end=3586
   _globals['_PREFILLREQUEST']._serialized_start=76
   _globals['_PREFILLREQUEST']._serialized_end=385
   _globals['_TENSOR']._serialized_start=387
   _globals['_TENSOR']._serialized_end=453
   _globals['_PREFILLREPLY']._serialized_start=456
-  _globals['_PREFILLREPLY']._serialized_end=1102
-  _globals['_DECODEREQUEST']._serialized_start=1104
-  _globals['_DECODEREQUEST']._serialized_end=1156
-  _globals['_TRANSFERACK']._serialized_start=1158
-  _globals['_TRANSFERACK']._serialized_end=1221
-  _globals['_LOADREQUEST']._serialized_start=1223
-  _globals['_LOADREQUEST']._serialized_end=1236
-  _globals['_WORKERLOAD']._serialized_start=1239
-  _globals['_WORKERLOAD']._serialized_end=1847
-  _globals['_PREFIXCACHESTATS']._serialized_start=1850
-  _globals['_PREFIXCACHESTATS']._serialized_end=2061
-  _globals['_VERIFIERSTATS']._serialized_start=2064
-  _globals['_VERIFIERSTATS']._serialized_end=2505
-  _globals['_VERIFIERSTATS_WINSENTRY']._serialized_start=2353
-  _globals['_VERIFIERSTATS_WINSENTRY']._serialized_end=2396
-  _globals['_VERIFIERSTATS_MEANAGREEMENTENTRY']._serialized_start=2398
-  _globals['_VERIFIERSTATS_MEANAGREEMENTENTRY']._serialized_end=2450
-  _globals['_VERIFIERSTATS_BUCKETREQUESTSENTRY']._serialized_start=2452
-  _globals['_VERIFIERSTATS_BUCKETREQUESTSENTRY']._serialized_end=2505
-  _globals['_IMAGEDIGEST']._serialized_start=2507
-  _globals['_IMAGEDIGEST']._serialized_end=2556
-  _globals['_IMAGECACHESTATS']._serialized_start=2559
-  _globals['_IMAGECACHESTATS']._serialized_end=2711
-  _globals['_NIXLTRANSFERREQUEST']._serialized_start=2713
-  _globals['_NIXLTRANSFERREQUEST']._serialized_end=2812
-  _globals['_NIXLOPEN']._serialized_start=2814
-  _globals['_NIXLOPEN']._serialized_end=2880
-  _globals['_NIXLDONE']._serialized_start=2882
-  _globals['_NIXLDONE']._serialized_end=2956
-  _globals['_NIXLTRANSFERREPLY']._serialized_start=2958
-  _globals['_NIXLTRANSFERREPLY']._serialized_end=3063
-  _globals['_NIXLREGIONS']._serialized_start=3066
-  _globals['_NIXLREGIONS']._serialized_end=3248
-  _globals['_NIXLLAYERREGIONS']._serialized_start=3250
-  _globals['_NIXLLAYERREGIONS']._serialized_end=3325
-  _globals['_PREFILLWORKER']._serialized_start=3563
-  _globals['_PREFILLWORKER']._serialized_end=3749
-  _globals['_DECODEWORKER']._serialized_start=3752
-  _globals['_DECODEWORKER']._serialized_end=4077
+  _globals['_PREFILLREPLY']._serialized_end=1128
+  _globals['_DECODEREQUEST']._serialized_start=1130
+  _globals['_DECODEREQUEST']._serialized_end=1182
+  _globals['_TRANSFERACK']._serialized_start=1184
+  _globals['_TRANSFERACK']._serialized_end=1247
+  _globals['_LOADREQUEST']._serialized_start=1249
+  _globals['_LOADREQUEST']._serialized_end=1262
+  _globals['_WORKERLOAD']._serialized_start=1265
+  _globals['_WORKERLOAD']._serialized_end=1873
+  _globals['_PREFIXCACHESTATS']._serialized_start=1876
+  _globals['_PREFIXCACHESTATS']._serialized_end=2087
+  _globals['_VERIFIERSTATS']._serialized_start=2090
+  _globals['_VERIFIERSTATS']._serialized_end=2531
+  _globals['_VERIFIERSTATS_WINSENTRY']._serialized_start=2379
+  _globals['_VERIFIERSTATS_WINSENTRY']._serialized_end=2422
+  _globals['_VERIFIERSTATS_MEANAGREEMENTENTRY']._serialized_start=2424
+  _globals['_VERIFIERSTATS_MEANAGREEMENTENTRY']._serialized_end=2476
+  _globals['_VERIFIERSTATS_BUCKETREQUESTSENTRY']._serialized_start=2478
+  _globals['_VERIFIERSTATS_BUCKETREQUESTSENTRY']._serialized_end=2531
+  _globals['_IMAGEDIGEST']._serialized_start=2533
+  _globals['_IMAGEDIGEST']._serialized_end=2582
+  _globals['_IMAGECACHESTATS']._serialized_start=2585
+  _globals['_IMAGECACHESTATS']._serialized_end=2737
+  _globals['_NIXLTRANSFERREQUEST']._serialized_start=2739
+  _globals['_NIXLTRANSFERREQUEST']._serialized_end=2838
+  _globals['_NIXLOPEN']._serialized_start=2840
+  _globals['_NIXLOPEN']._serialized_end=2906
+  _globals['_NIXLDONE']._serialized_start=2908
+  _globals['_NIXLDONE']._serialized_end=2982
+  _globals['_NIXLTRANSFERREPLY']._serialized_start=2984
+  _globals['_NIXLTRANSFERREPLY']._serialized_end=3089
+  _globals['_NIXLREGIONS']._serialized_start=3092
+  _globals['_NIXLREGIONS']._serialized_end=3274
+  _globals['_NIXLLAYERREGIONS']._serialized_start=3276
+  _globals['_NIXLLAYERREGIONS']._serialized_end=3351
+  _globals['_PREFILLWORKER']._serialized_start=3589
+  _globals['_PREFILLWORKER']._serialized_end=3775
+  _globals['_DECODEWORKER']._serialized_start=3778
+  _globals['_DECODEWORKER']._serialized_end=4103
 # @@protoc_insertion_point(module_scope)

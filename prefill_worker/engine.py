@@ -235,7 +235,7 @@ class PrefillEngine:
         keep = req.reuse.enabled and req.reuse.conversation == "continue"
         keep = keep and self.retained is not None and self.retained.enabled
         keyed = self.prefixes.keys_of(req)[0] if keep else []
-        ids = req.input_ids.reshape(-1).tolist()
+        ids = req.input_ids.reshape(-1).tolist() if keep else []
         layout = (self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
         entry = self.retained.find(keyed, ids, layout, self.spec.dtype) if keep else None
         plan = self.verify_config.plan(req.compression) if self.verify_config is not None else None
@@ -263,9 +263,11 @@ class PrefillEngine:
         )
 
     def _append(self, req: PreparedRequest, entry: RetainedCache):
-        ids = req.input_ids.reshape(-1).tolist()
+        """``entry``'s compact cache with the prompt's tokens after it appended, the next-token logits, and
+        the binding windows that cut it."""
+        new = req.input_ids.reshape(-1)[len(entry.ids) :].tolist()
         cut = binding_windows(self.spec.windows, req.m, req.sampling.max_new_tokens)
-        ckv, logits = append_tokens(self.model, entry.cache, ids[len(entry.ids) :], cut)
+        ckv, logits = append_tokens(self.model, entry.cache, new, cut)
         return ckv, logits, cut
 
     def _draft(self, keys, values, first: int, steps: int):

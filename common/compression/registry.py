@@ -195,9 +195,14 @@ def policy_from_dict(data: Any) -> AnyPolicy:
     rest = {k: v for k, v in data.items() if k not in ("policy", "allocator", *ROUTE_KEYS)}
     params = fields_from_dict(cls, rest, f"policy {cls.name!r}", skip=("allocator",))
     policy = cls(allocator=resolve_allocator(cls, data.get("allocator")), **params)
+    return with_routes(policy, **_routes(data, cls))
+
+
+def _routes(data: dict[str, Any], cls: type[Policy]) -> dict[str, Any]:
+    """A plain policy's dict's route keys, ``text_preset`` the policy's default route when absent."""
     routes = {k: data[k] for k in ROUTE_KEYS if k in data}
     routes.setdefault("text_preset", DEFAULT_TEXT_PRESET.get(cls.name, ""))
-    return with_routes(policy, **routes)
+    return routes
 
 
 def preset(name: str) -> AnyPolicy:
@@ -218,9 +223,7 @@ def preset_params(name: str) -> dict[str, Any]:
     plain = policy_from_dict({k: v for k, v in data.items() if k not in ROUTE_KEYS} | {"text_preset": ""})
     params = plain.to_dict()
     params.pop("policy")
-    routes = {k: data[k] for k in ROUTE_KEYS if k in data}
-    routes.setdefault("text_preset", DEFAULT_TEXT_PRESET.get(data["policy"], ""))
-    return params | routes
+    return params | _routes(data, type(plain))
 
 
 def register_preset(name: str, settings: dict[str, Any]) -> None:

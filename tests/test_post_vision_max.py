@@ -1,4 +1,4 @@
-"""``Policy.post_vision_max`` and the preset ``vlcache_text_lean_w24_skip32_q12``: the question window stops
+"""The lab policy's ``post_vision_max`` (``vlkv_lab.eval.lab_policy``) and the preset ``vlcache_text_lean_w24_skip32_q12``: the question window stops
 growing at 12 slots, so on a text-only prompt of 1,000 tokens (50 slots a layer at 5%) the preset is
 ``vlcache_text_lean_w24_skip32`` slot for slot at 1-5% and, at 10%, keeps the question's last 12 tokens and
 adds scored ones (its 5% selection inside)."""
@@ -27,21 +27,28 @@ def _plan(text_preset: str, alpha: float, seed: int = 0) -> list[list[set[int]]]
 
 
 def test_the_share_is_capped_only_when_set():
-    assert post_vision_share(100, 1000, 0.25, 0.0) == 25
-    assert post_vision_share(100, 1000, 0.25, 0.0, most=12) == 12
-    assert post_vision_share(40, 1000, 0.25, 0.0, most=12) == 10  # below the cap: unchanged
-    assert post_vision_share(100, 1000, 0.25, 5.0, most=12) == 12
+    k, m = 100, 1000
+    for cap, slope in ((0.25, 0.0), (0.25, 5.0), (0.5, 0.0)):
+        plain = get_policy("vlcache_lab", text_preset="", post_vision_cap=cap, post_vision_slope=slope)
+        capped = get_policy(
+            "vlcache_lab", text_preset="", post_vision_cap=cap, post_vision_slope=slope, post_vision_max=12
+        )
+        assert plain.post_vision_share(k, m) == post_vision_share(k, m, cap, slope) > 12
+        assert capped.post_vision_share(k, m) == 12
+        for small in (20, 40):  # below the cap: unchanged
+            assert capped.post_vision_share(small, m) == min(12, post_vision_share(small, m, cap, slope))
     with pytest.raises(ValueError, match="post_vision_max"):
-        get_policy("vlcache", post_vision_max=-1)
+        get_policy("vlcache_lab", post_vision_max=-1)
 
 
 def test_the_preset_is_skip32_with_the_cap_and_round_trips_through_json():
     policy = preset(Q12)
     data = json.loads(json.dumps(policy.to_dict()))
     assert data["post_vision_max"] == 12 and policy_from_dict(data) == policy
-    own = {k: v for k, v in data.items() if k != "post_vision_max"}
-    assert own == {k: v for k, v in preset(SKIP32).to_dict().items() if k != "post_vision_max"}
-    assert preset(SKIP32).post_vision_max == 0  # every other preset keeps its window as it was
+    lab = ("policy", "post_vision_max", "post_vision_layers", "question_min", "question_max", "chunk_size")
+    assert data["policy"] == "vlcache_lab" and (data["post_vision_layers"], data["chunk_size"]) == (0, 1)
+    own = {k: v for k, v in data.items() if k not in lab}
+    assert own == {k: v for k, v in preset(SKIP32).to_dict().items() if k != "policy"}
     k10 = policy.allocate(None, 0.1, M, LAYERS)[0]
     assert policy.post_vision_share(k10, M) == 12 < preset(SKIP32).post_vision_share(k10, M)
     named = get_policy("vlcache", text_preset=Q12)

@@ -1,5 +1,5 @@
 """A text-only prompt's observation window as its own final question (``common/model/question.py``,
-``Policy.question_min``/``question_max``, the preset ``vlcache_text_question``): the line-break rule, the chat
+the lab policy's ``question_min``/``question_max``, the preset ``vlcache_text_question``): the line-break rule, the chat
 template's tail and head, the clipping, the fallback to ``text_window``, the option's serialized form, image
 prompts unchanged, and the served prefill and the in-process evaluation handing the policy the same value."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from test_text_presets import _stats  # statistics with given column sums
-from vlkv.common.compression import policy_from_dict, preset
+from vlkv.common.compression import PRESETS, policy_from_dict, preset
 from vlkv.common.compression.registry import CompressionSettings, get_policy
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.question import TurnLayout, prompt_question, question_tokens
@@ -77,14 +77,14 @@ def test_layout_from_a_chat_tokenizer(tiny_model_dirs):
 
 def test_observed_window_is_the_question_clipped_and_falls_back_to_text_window():
     m = 200
-    policy = get_policy("vlcache", text_preset="", text_window=24, question_min=8, question_max=48)
+    policy = get_policy("vlcache_lab", text_preset="", text_window=24, question_min=8, question_max=48)
     assert policy.observed_tau(m, m, 21) == 21
     assert policy.observed_tau(m, m, 3) == 8 and policy.observed_tau(m, m, 90) == 48  # clipped
     assert policy.observed_tau(m, m, 0) == 24  # no line break: the fixed window
     assert policy.observed_tau(12, 12, 30) == 12  # never more rows than the prompt
     assert policy.observed_tau(m, 20, 30) == 20  # an image prompt: its post-vision text
     assert policy.query_start(m, m, 21) == m - 21 and policy.query_start(m, m) == m - 24
-    off = get_policy("vlcache", text_preset="", text_window=24)
+    off = get_policy("vlcache_lab", text_preset="", text_window=24)
     assert off.observed_tau(m, m, 21) == 24  # question_max 0: the option is off
 
 
@@ -93,7 +93,8 @@ def test_question_option_serializes_and_is_checked():
     assert policy_from_dict(policy.to_dict()) == policy
     text = preset("vlcache_text_question")
     assert (text.question_min, text.question_max) == (8, 48)
-    assert text.to_dict() == preset("vlcache_text_span").to_dict() | {"question_min": 8, "question_max": 48}
+    span = policy_from_dict(PRESETS["vlcache_text_span"] | {"policy": "vlcache_lab"})  # the options off
+    assert text.to_dict() == span.to_dict() | {"question_min": 8, "question_max": 48}
     assert policy_from_dict(text.to_dict()) == text
     for bad, message in (
         ({"question_max": -1}, "question_max"),
@@ -101,7 +102,7 @@ def test_question_option_serializes_and_is_checked():
         ({"question_max": 2.5}, "int"),
     ):
         with pytest.raises(ValueError, match=message):
-            policy_from_dict({"policy": "vlcache", **bad})
+            policy_from_dict({"policy": "vlcache_lab", **bad})
 
 
 def test_question_preset_on_text_prompts_and_image_prompts_bitwise_unchanged():

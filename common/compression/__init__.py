@@ -46,8 +46,10 @@ from .registry import (
     CompressionSettings,
     get_policy,
     policy_from_dict,
+    policy_names,
     preset,
     preset_params,
+    register_policy,
     register_preset,
 )
 from .routing import AnyPolicy, ByBudget, ByPromptKind
@@ -89,6 +91,7 @@ __all__ = [
     "layer_sparsity",
     "mixed_budgets",
     "policy_from_dict",
+    "policy_names",
     "post_vision_start",
     "preset",
     "preset_params",
@@ -96,6 +99,7 @@ __all__ = [
     "realized_ratio",
     "recent_count",
     "register_allocator",
+    "register_policy",
     "register_preset",
     "rows_seeing",
     "sparsity_budgets",

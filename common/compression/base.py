@@ -54,17 +54,8 @@ class Policy:
     post_vision_cap: the largest share of a layer's budget the post-vision window takes (0.5: half).
     post_vision_slope: > 0 makes that share shrink with the layer's budget: at most
     ``post_vision_slope * k / m`` of it (so at 10% with slope 5 the cap is 0.5, at 2% it is 0.1).
-    post_vision_max: > 0 caps that share at this many slots whatever the budget (0: no cap), so a larger budget
-    adds scored tokens only: a text-only prompt's window keeps the question's last tokens (its instruction and
-    the chat template's tail), as at 5%, instead of growing to the whole question, which the model then
-    echoes (``common/compression/README.md``, "the 10% needle loss").
     post_vision_by_score: the post-vision window's slots go to the post-vision tokens with the best scores
     (the question's key words wherever they sit) rather than to the last ones.
-    post_vision_layers: with ``post_vision_window``, the window is kept in the first ``post_vision_layers``
-    layers only (0: every layer); the other layers keep the recent window alone and score the question's tokens
-    like any other. Layer 0's keys and values are the tokens' own embeddings, so the question's wording is
-    there only in its own tokens; deeper layers' last tokens already carry it (``common/compression/README.md``,
-    "the question window in the first layer").
     sink_tokens: the first tokens of the prompt are kept before any scored token (StreamingLLM's attention
     sinks), as far as the budget left after the windows allows, earliest first.
     row_normalized: score each token by its mean attention over the statistics rows that can see it (the
@@ -74,11 +65,6 @@ class Policy:
     text_window: a prompt with no vision tokens (tau = m) is treated as if its last ``text_window`` tokens
     were the post-vision text: they are the statistics rows that score the rest (SnapKV's observation
     window) and, with ``post_vision_window``, kept outright. 0: every row is post-vision (H2O-like scores).
-    question_min, question_max: with ``question_max > 0`` a text-only prompt's observation window is instead
-    its own final question (``question``: the tokens after the last line break of the last user turn through
-    the prompt's end, as ``common/model/question.py`` counts them from the request's ids), clipped to
-    ``[question_min, question_max]`` rows; a prompt with no line break there (``question = 0``) keeps
-    ``text_window``. 0: off.
     span_after: each token also scores as the best of the ``span_after`` tokens before it (after pooling
     and the GQA sum), so what follows an attended token is kept with it (0: off).
     span_skip, span_skip_weight: the first ``span_skip`` prompt positions (past the sinks) spread only
@@ -86,8 +72,6 @@ class Policy:
     and the context's first words draw sink-like attention whatever they say, and spread 12-16 forward they
     take the slots a looked-up fact needs. They still score, and are kept, for their own attention.
     ``span_skip`` 0: off (only the sinks spread nothing).
-    chunk_size: the scored tokens are kept in whole chunks of this many consecutive positions, the chunks
-    ranked by their summed score (ChunkKV; 1: token by token).
     layer_share: each layer's scores, normalised to sum 1 per KV head, compete with this weight times the best
     normalised score the token gets in any compressed layer and head (``selection.share_layers``): a token
     the question looks up in some layers is kept in the others too (0: each layer on its own).
@@ -107,19 +91,14 @@ class Policy:
     post_vision_window: bool = False
     post_vision_cap: float = 0.5
     post_vision_slope: float = 0.0
-    post_vision_max: int = 0
     post_vision_by_score: bool = False
-    post_vision_layers: int = 0
     sink_tokens: int = 0
     row_normalized: bool = False
     pool_kernel: int = 1
     text_window: int = 0
-    question_min: int = 0
-    question_max: int = 0
     span_after: int = 0
     span_skip: int = 0
     span_skip_weight: float = 0.0
-    chunk_size: int = 1
     layer_share: float = 0.0
     lookahead: int = 0
     lookahead_weight: float = 0.5
@@ -141,22 +120,14 @@ class Policy:
         for name in (
             "sink_tokens",
             "text_window",
-            "question_min",
-            "question_max",
             "span_after",
             "span_skip",
             "lookahead",
-            "post_vision_layers",
-            "post_vision_max",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.question_max and self.question_min > self.question_max:
-            raise ValueError(f"question_min {self.question_min} is above question_max {self.question_max}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.lookahead > MAX_LOOKAHEAD:
             raise ValueError(f"lookahead must be at most {MAX_LOOKAHEAD} draft tokens, got {self.lookahead}")
         if self.lookahead and (not self.scores_need_stats or type(self).score is not Policy.score):
@@ -198,14 +169,17 @@ class Policy:
 
     def observed_tau(self, m: int, tau: int, question: int = 0) -> int:
         """The post-vision length the policy works with: ``tau``; for a prompt with no vision tokens
-        (``tau >= m``) its final ``question`` tokens clipped to ``[question_min, question_max]`` when
-        ``question_max`` is set and the prompt has one (``question > 0``), else ``min(m, text_window)`` when
-        ``text_window`` is set. The one place a text-only prompt's observation window is decided."""
+        (``tau >= m``) ``min(m, text_window)`` when ``text_window`` is set. The one place a text-only prompt's
+        observation window is decided. ``question``: the prompt's final question in tokens
+        (``common/model/question.py``; 0: unknown), which a subclass may take as its window."""
         if tau < m:
             return tau
-        if self.question_max and question > 0:
-            return min(m, max(self.question_min, min(self.question_max, question)))
         return min(m, self.text_window) if self.text_window else tau
+
+    def rows_options(self) -> tuple[Any, ...]:
+        """The options that decide which statistics rows ``observed_tau`` gives a prompt: two policies with the
+        same ``query_start`` and equal options read the same rows (``routing.ByBudget`` checks it)."""
+        return (self.text_window,)
 
     def query_start(self, m: int, tau: int, question: int = 0) -> int:
         """First absolute query row the statistics must cover (rows ``q0 .. m-1``). Default: post-vision
@@ -269,12 +243,11 @@ class Policy:
         ``recent_count(k)`` positions before them (the end of the last image). With
         ``post_vision_by_score`` and a question longer than its share, the window's slots go to the
         best-scoring post-vision tokens instead of the last ones. ``sink_tokens`` first positions come
-        next; the rest are the top scores among the earlier positions, chosen per KV head, in whole
-        chunks with ``chunk_size > 1`` (``selection.keep``). ``layer``: the layer's index; with
-        ``post_vision_layers`` the post-vision window is kept only below it.
+        next; the rest are the top scores among the earlier positions, chosen per KV head
+        (``selection.keep``). ``layer``: the layer's index (the base policy keeps every layer alike).
         """
         m = scores.shape[-1]
-        window = self.post_vision_share(k, m) if self.has_post_vision_window(layer) else 0
+        window = self.post_vision_share(k, m) if self.post_vision_window else 0
         return keep(
             scores,
             k,
@@ -283,18 +256,12 @@ class Policy:
             window=window,
             by_score=self.post_vision_by_score,
             sinks=self.sink_tokens,
-            chunk=self.chunk_size,
         )
-
-    def has_post_vision_window(self, layer: int) -> bool:
-        """Whether layer ``layer`` keeps the post-vision window (``post_vision_window``, within the first
-        ``post_vision_layers`` layers when that is set)."""
-        return self.post_vision_window and (not self.post_vision_layers or layer < self.post_vision_layers)
 
     def post_vision_share(self, k: int, m: int) -> int:
         """How many of a layer's ``k`` slots the post-vision window may take outright
         (``selection.post_vision_share``)."""
-        return post_vision_share(k, m, self.post_vision_cap, self.post_vision_slope, self.post_vision_max)
+        return post_vision_share(k, m, self.post_vision_cap, self.post_vision_slope)
 
     def plan(
         self,

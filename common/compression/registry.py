@@ -45,6 +45,7 @@ _POLICIES: dict[str, type[Policy]] = {
     )
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+"""The product's policies (a process may register more: :func:`register_policy`, :func:`policy_names`)."""
 DEFAULT_POLICY = "vlcache"
 DEFAULT_TEXT_PRESET: dict[str, str] = {"vlcache": "vlcache_text_by_budget"}
 """The preset that compresses a policy's text-only prompts when a request names the policy (``get_policy``;
@@ -67,12 +68,34 @@ FLAT_ALLOCATOR_PARAMS: dict[str, tuple[str, str]] = {
 }
 
 
+def policy_names() -> tuple[str, ...]:
+    """Every policy name known in this process: ``POLICY_NAMES`` (the product's) and those registered
+    (:func:`register_policy`)."""
+    return tuple(_POLICIES)
+
+
 def policy_class(name: str) -> type[Policy]:
     """The policy class registered as ``name`` (empty = vlcache); ValueError for an unknown one."""
     cls = _POLICIES.get(name or DEFAULT_POLICY)
     if cls is None:
-        raise ValueError(f"unknown compression policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown compression policy {name!r}; choose from {', '.join(policy_names())}")
     return cls
+
+
+def register_policy(cls: type[Policy], *, text_preset: str = "") -> None:
+    """Add policy class ``cls`` under its ``name`` (a user's own policy, or the lab's), in this process only;
+    ``text_preset``: the preset its text-only prompts get when a request names it (``DEFAULT_TEXT_PRESET``;
+    "" none). ValueError for a name taken by another class, a wrapper's name, or a class that is not a
+    ``Policy``."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)) or cls.name in ("", Policy.name):
+        raise ValueError(f"register_policy: expected a Policy subclass with a name of its own, got {cls!r}")
+    if cls.name in WRAPPER_NAMES or _POLICIES.get(cls.name, cls) is not cls:
+        raise ValueError(f"compression policy {cls.name!r} exists already")
+    if text_preset and text_preset not in PRESETS:
+        raise ValueError(f"register_policy: unknown text preset {text_preset!r}")
+    _POLICIES[cls.name] = cls
+    if text_preset:
+        DEFAULT_TEXT_PRESET[cls.name] = text_preset
 
 
 def _own_allocator(cls: type[Policy]) -> Allocator:
@@ -264,8 +287,8 @@ class CompressionSettings:
     max_budget: float | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            names = ", ".join(POLICY_NAMES)
+        if self.policy not in _POLICIES:
+            names = ", ".join(policy_names())
             raise ValueError(f"unknown compression policy {self.policy!r}; choose from {names}")
         if not (math.isfinite(self.budget) and 0.0 < self.budget <= 1.0):
             raise ValueError(f"compression budget must be in (0, 1], got {self.budget}")

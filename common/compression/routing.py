@@ -22,8 +22,6 @@ from .base import Policy
 
 __all__ = ["AnyPolicy", "ByBudget", "ByPromptKind"]
 
-_ROWS = ("text_window", "question_min", "question_max")  # the options that decide a prompt's statistics rows
-
 
 class _Routed:
     """What a wrapper answers for the policy that compresses the prompt (``for_prompt``). What the prompt's
@@ -87,13 +85,14 @@ class ByBudget(_Routed):
             raise ValueError("by_budget: high and low must be plain policies (not wrappers)")
         if not 0.0 < self.below < 1.0:
             raise ValueError(f"by_budget: below must be in (0, 1), got {self.below}")
-        same_rows = type(self.low).query_start is type(self.high).query_start and all(
-            getattr(self.low, f) == getattr(self.high, f) for f in _ROWS
+        same_rows = (
+            type(self.low).query_start is type(self.high).query_start
+            and self.low.rows_options() == self.high.rows_options()
         )
         if not same_rows:
             raise ValueError(
                 f"by_budget: {self.low.name} (low) reads other statistics rows than {self.high.name} (high): "
-                f"their query_start and {', '.join(_ROWS)} must be the same"
+                "their query_start and observation-window options (rows_options) must be the same"
             )
 
     def members(self) -> tuple[Policy, ...]:

@@ -41,13 +41,12 @@ def recent_count(k: int, ratio: float = 0.1) -> int:
     return min(k, math.ceil(ratio * k - 1e-6 * max(1.0, ratio * k)))
 
 
-def post_vision_share(k: int, m: int, cap: float, slope: float, most: int = 0) -> int:
+def post_vision_share(k: int, m: int, cap: float, slope: float) -> int:
     """How many of a layer's ``k`` slots the post-vision window may take outright: ``floor(cap * k)``, or
-    with ``slope > 0`` ``floor(min(cap, slope * k / m) * k)``; with ``most > 0`` at most ``most``."""
+    with ``slope > 0`` ``floor(min(cap, slope * k / m) * k)``."""
     if slope > 0:
         cap = min(cap, slope * k / m)
-    share = int(cap * k + 1e-9)
-    return min(share, most) if most > 0 else share
+    return int(cap * k + 1e-9)
 
 
 def shape_scores(

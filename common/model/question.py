@@ -2,11 +2,12 @@
 
 The question is the tokens after the last line break inside the last user turn, through the end of the
 prompt (the chat template's generation tail included): in "<context>\\n\\nWhat is X? Answer ...<|im_end|>\\n
-<|im_start|>assistant\\n" the tokens from "What" on. A policy option (``Policy.question_max``) makes them a
-text-only prompt's observation window. Everything here comes from the tokenizer and its chat template
-(``TurnLayout.from_tokenizer``, once per process), never from a task's wording; the prefill worker
-(``engine.PrefillEngine.run``) and the in-process evaluation (``lab/vlkv_lab/eval/evaluation.prepare``) both call
-:func:`question_tokens` on the request's ids with the ``ModelSpec``'s layout, so they pass the same value.
+<|im_start|>assistant\\n" the tokens from "What" on. A policy may take them as a text-only prompt's
+observation window (``Policy.observed_tau``'s ``question``; the lab's ``vlcache_lab`` does). Everything here
+comes from the tokenizer and its chat template (``TurnLayout.from_tokenizer``, once per process), never from
+a task's wording; the prefill worker (``engine.PrefillEngine.run``) and the in-process evaluation
+(``lab/vlkv_lab/eval/evaluation.prepare``) both call :func:`question_tokens` on the request's ids with the
+``ModelSpec``'s layout, so they pass the same value.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ from typing import Any
 from vlkv.common.compression.presets import PRESETS
 from vlkv.common.compression.registry import register_preset
 
+from vlkv_lab.eval.lab_policy import VLCacheLabPolicy
+
 _SPAN = PRESETS["vlcache_text_span"]
 LAB_PRESETS: dict[str, dict[str, Any]] = {}
 # Fewer fixed slots for text-only prompts: no recent window, and the question's share shrinking with the
@@ -81,10 +83,11 @@ LAB_PRESETS["vlcache_text_lean_w24"] = LAB_PRESETS["vlcache_text_lean"] | {"text
 LAB_PRESETS["vlcache_text_span_skip32"] = _SPAN | {"span_skip": 32, "span_skip_weight": 0.5}
 # The question window stops growing at its 5% size (12 slots at 1K): a larger budget adds scored tokens only
 # (#38, needle10: the whole question kept outright at 10% is echoed and the token limit cuts the number).
-LAB_PRESETS["vlcache_text_lean_w24_skip32_q12"] = PRESETS["vlcache_text_lean_w24_skip32"] | {
-    "post_vision_max": 12
-}
-LAB_PRESETS["vlcache_text_question"] = _SPAN | {"question_min": 8, "question_max": 48}
+_LAB = {"policy": VLCacheLabPolicy.name}  # the options the product does not ship (``lab_policy.py``)
+LAB_PRESETS["vlcache_text_lean_w24_skip32_q12"] = (
+    PRESETS["vlcache_text_lean_w24_skip32"] | _LAB | {"post_vision_max": 12}
+)
+LAB_PRESETS["vlcache_text_question"] = _SPAN | _LAB | {"question_min": 8, "question_max": 48}
 LAB_PRESETS["vlcache_text_span_lookahead"] = _SPAN | {"lookahead": 16, "lookahead_weight": 0.5}
 # Longer drafts for text-only prompts (a RULER answer repeats its ~25-token question before the value, so a
 # 16-token draft ends before it): candidates for protocol v2.1's text dimension.

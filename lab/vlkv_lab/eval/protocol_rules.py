@@ -31,6 +31,7 @@ from pathlib import Path
 
 from vlkv.common.compression.registry import DEFAULT_POLICY
 
+from vlkv_lab.eval.lab_policy import VLCACHE_FAMILY
 from vlkv_lab.eval.protocol_ties import is_text, kind_of, tie_keys
 from vlkv_lab.eval.zoo_report import better_oracle, counts, finalize, model_bound
 from vlkv_lab.eval.zoo_scoring import ORACLES
@@ -143,7 +144,7 @@ def candidates(results: dict, names=None) -> list[str]:
     configs = first.get("configs", {})
     labels = [x for x in first.get("rows", {}) if x not in ORACLES]
     if configs:
-        labels = [x for x in labels if configs.get(x, {}).get("policy") == DEFAULT_POLICY]
+        labels = [x for x in labels if configs.get(x, {}).get("policy") in VLCACHE_FAMILY]
     else:
         labels = [x for x in labels if not x.endswith("(baseline)") and x == x.strip()]
     return [x for x in labels if all(x in results[n].get("rows", {}) for n in names)]

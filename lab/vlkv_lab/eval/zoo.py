@@ -41,6 +41,7 @@ from vlkv.deploy.progress import progress as track
 import vlkv_lab.eval.presets  # noqa: F401  (the lab's presets: the experiments this names)
 from vlkv_lab.eval import zoo_report, zoo_verify
 from vlkv_lab.eval.evaluation import prepare
+from vlkv_lab.eval.lab_policy import VLCACHE_FAMILY
 from vlkv_lab.eval.protocol_ties import recorded
 from vlkv_lab.eval.zoo_report import finalize, worst_member
 from vlkv_lab.eval.zoo_scoring import FULL, merge, score_chunk
@@ -83,7 +84,7 @@ ABLATION = (
     ("scores not pooled", "vlcache", {"pool_kernel": 1}),
     ("scores max-pooled over 7", "vlcache", {"pool_kernel": 7}),
     ("sinks: first 4 tokens", "vlcache", {"sink_tokens": 4}),
-    ("chunks of 10 tokens (ChunkKV)", "vlcache", {"chunk_size": 10}),
+    ("chunks of 10 tokens (ChunkKV)", "vlcache_lab", {"chunk_size": 10}),
     ("preset vlcache_lookup (spans, shared layers, sinks)", "vlcache", preset_params("vlcache_lookup")),
     ("text-only prompts: preset vlcache_text", "vlcache", {"text_preset": "vlcache_text"}),
     (
@@ -160,8 +161,8 @@ ABLATION = (
         "vlcache",
         {"allocator": {"name": "draft_mass", "weight": 1.0}, "post_vision_window": False},
     ),
-    ("window: first layer only", "vlcache", {"post_vision_layers": 1}),
-    ("window: first 2 layers only", "vlcache", {"post_vision_layers": 2}),
+    ("window: first layer only", "vlcache_lab", {"post_vision_layers": 1}),
+    ("window: first 2 layers only", "vlcache_lab", {"post_vision_layers": 2}),
     (
         "allocator: draft mass (w 0.5, pyramid floor in layer 0) + window: none",
         "vlcache",
@@ -203,7 +204,7 @@ def _on_the_pyramid_window(rows) -> tuple[tuple[str, str, dict], ...]:
     out = []
     for label, policy, params in rows:
         preset_only = set(params) == {"text_preset"} and params["text_preset"]
-        if policy == DEFAULT_POLICY and params and not preset_only:
+        if policy in VLCACHE_FAMILY and params and not preset_only:
             params = {**PYRAMID_WINDOW, **params}
         out.append((label, policy, params))
     return (*out, (PYRAMID_WINDOW_LABEL, DEFAULT_POLICY, dict(PYRAMID_WINDOW)))

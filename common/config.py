@@ -192,6 +192,9 @@ class GatewayConfig:
     transfer: TransferConfig
     security: SecurityConfig
     keepalive_s: float
+    # The prefill workers' verification defaults: an unverified "continue" turn may be decoded on the decode
+    # worker's kept cache; a verified one goes to the prefill worker, whose verifier checks it.
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +283,9 @@ class ServerConfig:
         )
 
     def gateway(self) -> GatewayConfig:
-        return GatewayConfig(self.limits, self.queue, self.transfer, self.security, self.keepalive_s)
+        return GatewayConfig(
+            self.limits, self.queue, self.transfer, self.security, self.keepalive_s, self.verify
+        )
 
     def prefill(self) -> PrefillConfig:
         return PrefillConfig(

@@ -26,6 +26,7 @@ REUSE_MODE_ALIASES = {"vlcache": "layerwise"}
 DEFAULT_RECOMPUTE_RATIO = 0.05
 ANONYMOUS = "anonymous"  # the tenant of callers without an API token
 TENANT_KEY = "vlkv-tenant"  # metadata key of the caller's tenant on the gateway's Prefill calls
+RETAINED_KEY = "vlkv-retained"  # a decode worker's Decode trailer: the positions of the cache it kept
 MAX_TENANT_CHARS = 128
 
 

@@ -148,7 +148,7 @@ class Admission:
             first_token=header.first_token_id,
             sampling=sampling,
             eos_token_ids=frozenset(header.eos_token_ids),
-            detok=None if self.tokenizer is None else IncrementalText(None, sampling.stop, self._decode_text),
+            detok=self.detokenizer(sampling),
             usage=self._usage(header),
             status=SequenceStatus.WAITING_FOR_KV,
         )
@@ -156,6 +156,10 @@ class Admission:
         if transfer is not None:
             self.arrivals.begin_transfer(rid, transfer)
         return seq
+
+    def detokenizer(self, sampling) -> IncrementalText | None:
+        """A new sequence's detokenizer (its text and stop strings; None: ids only)."""
+        return None if self.tokenizer is None else IncrementalText(None, sampling.stop, self._decode_text)
 
     def _check_model_fields(self, header: kv_pb2.KVHeader):
         """What a header carries beyond the layout, against this model: the sampling settings (returned,

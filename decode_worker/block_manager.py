@@ -29,6 +29,11 @@ entries it still holds. Every count here caps such a layer's growth at ``block_m
 under ``reserve`` a layer's reservation is its ring, and its dropped blocks move to the end of its own table,
 so it never needs a block it does not have.
 
+Idle blocks: a finished sequence kept for its conversation's next turn (``retention.py``) holds its blocks
+idle. They count as room (``admit_room``, ``can_allocate``, ``can_append``): whenever ``allocate`` or ``append``
+needs more blocks than are free, the ``idle`` holder gives back the least recently kept first, so a kept
+cache never refuses a request nor preempts a running one.
+
 Decode-phase re-compression (``--decode-budget``, off by default): a layer whose cache has grown to
 ``recompress_target``'s trigger is cut back to its budget (the decode core picks which tokens stay and
 compacts them in place), and ``shrink`` returns the blocks past them to the pool.
@@ -40,6 +45,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from vlkv.common.block_math import blocks_needed, ceil_div, dead_blocks, layer_blocks
 
@@ -83,6 +89,15 @@ class AdmissionRefusal:
     message: str
 
 
+class IdleBlocks(Protocol):
+    """Who holds blocks idle that it gives back on demand (``retention.RetainedCaches``)."""
+
+    @property
+    def held(self) -> int: ...  # blocks held idle
+
+    def release(self, need: int) -> int: ...  # give back at least ``need`` blocks if it can; returns how many
+
+
 @dataclass(frozen=True)
 class AdmissionPolicy:
     """``reserve``: take ``max_new_tokens`` more in every layer at admission; ``watermark_blocks``: what a
@@ -119,10 +134,23 @@ class BlockManager:
         self.windows = tuple(windows) if any(windows) else ()
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._used: set[int] = set()
+        self.idle: IdleBlocks | None = None  # blocks held idle, given back on demand (``retention.py``)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_idle(self) -> int:
+        """Blocks held idle (kept caches): in use, but room for whoever needs them."""
+        return self.idle.held if self.idle is not None else 0
+
+    def _make_room(self, need: int) -> bool:
+        """At least ``need`` free blocks, idle ones given back if needed; whether there are."""
+        short = need - len(self._free)
+        if short > 0 and self.idle is not None:
+            self.idle.release(short)
+        return need <= len(self._free)
 
     # -- allocation verbs ----------------------------------------------------------------------------
     def _windows_for(self, layer_lengths: list[int]) -> tuple[int, ...]:
@@ -136,11 +164,11 @@ class BlockManager:
         return blocks_needed(layer_lengths, extra_tokens, self.block_size, self.windows)
 
     def can_allocate(self, layer_lengths: list[int], extra_tokens: int) -> bool:
-        return self.blocks_needed(layer_lengths, extra_tokens) <= self.num_free
+        return self.blocks_needed(layer_lengths, extra_tokens) <= self.num_free + self.num_idle
 
     def allocate(self, layer_lengths: list[int], extra_tokens: int) -> SequenceBlocks | None:
         """Room for ``layer_lengths[l] + extra_tokens`` tokens in every layer, or None (nothing taken)."""
-        if not self.can_allocate(layer_lengths, extra_tokens):
+        if not self._make_room(self.blocks_needed(layer_lengths, extra_tokens)):
             return None
         tables = []
         for n, w in zip(layer_lengths, self._windows_for(layer_lengths), strict=True):
@@ -158,12 +186,12 @@ class BlockManager:
         return len(self._full_tables(blocks, lengths))
 
     def can_append(self, blocks: SequenceBlocks, lengths: list[int]) -> bool:
-        return self.blocks_to_append(blocks, lengths) <= self.num_free
+        return self.blocks_to_append(blocks, lengths) <= self.num_free + self.num_idle
 
     def append(self, blocks: SequenceBlocks, lengths: list[int]) -> bool:
         """Make room for one more token in every layer (at index ``lengths[l]``); all or nothing."""
         grow = self._full_tables(blocks, lengths)
-        if len(grow) > self.num_free:
+        if not self._make_room(len(grow)):
             return False
         for table in grow:
             block = self._free.pop()
@@ -229,10 +257,11 @@ class BlockManager:
         return self.blocks_needed(layer_lengths, max_new_tokens if self.policy.reserve else 0)
 
     def admit_room(self, swapped: int = 0) -> int:
-        """Blocks a new cache may take now; none while ``swapped`` preempted sequences wait to resume."""
+        """Blocks a new cache may take now (idle ones count); none while ``swapped`` preempted sequences wait
+        to resume."""
         if swapped:
             return 0
-        return max(0, self.num_free - self.policy.watermark_blocks)
+        return max(0, self.num_free + self.num_idle - self.policy.watermark_blocks)
 
     def refusal(
         self, layer_lengths: list[int], max_new_tokens: int, swapped: int = 0
@@ -250,7 +279,7 @@ class BlockManager:
             return AdmissionRefusal(
                 RefusalKind.POOL_FULL,
                 f"KV pool full: request needs {need} blocks, {room} available "
-                f"({self.num_free} free, {swapped} preempted sequences waiting)",
+                f"({self.num_free} free, {self.num_idle} idle, {swapped} preempted sequences waiting)",
             )
         return None
 

@@ -12,6 +12,7 @@ from vlkv.common.sampling import sample_tokens
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, recompress_target
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
+from vlkv.decode_worker.retention import RetainedCaches
 from vlkv.decode_worker.scheduler import SchedulePlan, Scheduler
 from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -68,6 +69,8 @@ class DecodeCore:
         self._mass: torch.Tensor | None = None
         self._stepping: set[Sequence] = set()  # between schedule and postprocess
         self.scheduler: Scheduler[Sequence] = Scheduler(blocks, max_batch, swap_bytes, cache.token_bytes)
+        # finished sequences kept for a conversation's next turn (not with re-compression: it drops positions)
+        self.retained = RetainedCaches(blocks, enabled=decode_budget <= 0)
 
     @classmethod
     def from_config(
@@ -126,8 +129,9 @@ class DecodeCore:
 
     def add(self, seq: Sequence) -> Delta:
         """Start a sequence whose cache is whole in its blocks: the prefill's token goes through the stop
-        rules (it may end the sequence at once, blocks freed); otherwise it queues for the batch."""
-        delta = self._emit(seq, seq.first_token)
+        rules (it may end the sequence at once, blocks freed); otherwise it queues for the batch. A sequence
+        that feeds prompt tokens first (``forced``: a turn on a kept cache) emits nothing yet."""
+        delta = Delta(seq, []) if seq.forced else self._emit(seq, seq.first_token)
         if seq.finished:
             self._release(seq)
         else:
@@ -159,7 +163,12 @@ class DecodeCore:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+        """``seq`` leaves the core: its blocks go back to the pool, or are kept idle for its conversation's
+        next turn when it asked (``retention.py``)."""
+        keep = seq.finished and self.retained.keeps(seq)
+        self.scheduler.finish(seq, free=not keep)
+        if keep:
+            self.retained.keep(seq)
         seq.host_kv = None
 
     def schedule(self) -> SchedulePlan[Sequence]:
@@ -215,6 +224,12 @@ class DecodeCore:
                 if mass is not None:
                     self._recompress(s, mass[i])
                 live.append(i)
+        feeding = [i for i in live if batch[i].feeding]  # a prompt token goes in next; nothing sampled
+        for i in feeding:
+            s = batch[i]
+            s.generated.append(s.forced[len(s.generated)])
+        if feeding:
+            live = [i for i in live if i not in set(feeding)]
         if not live:
             return out
         seqs = [batch[i] for i in live]

@@ -91,15 +91,16 @@ class Scheduler(Generic[S]):
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
-    def finish(self, seq: S) -> None:
-        """Remove a sequence wherever it is and free its blocks (finished, cancelled, failed)."""
+    def finish(self, seq: S, free: bool = True) -> None:
+        """Remove a sequence wherever it is and free its blocks (finished, cancelled, failed); ``free``
+        False: its blocks stay taken (the caller keeps them, ``retention.py``)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.swapped:
             self.swapped.remove(seq)
-        if seq.blocks.num_blocks:
+        if free and seq.blocks.num_blocks:
             self.blocks.free(seq.blocks)
 
     def schedule(self) -> SchedulePlan[S]:

@@ -11,6 +11,10 @@ arriving), the decode core (``core.py``) moves it through the batch and finishes
 and whoever drives the core (``engine.py`` for the server, ``deploy/inprocess.py``) streams what it
 produced. ``generated`` starts as ``[first_token]`` (the prefill's token); each step feeds ``generated[-1]``
 at position ``prompt_length + len(generated) - 1`` and appends the sampled token.
+
+A follow-up turn decoded on a kept cache (``retention.py``) has ``forced``: the rest of its prompt, which
+``generated`` starts with and which its first steps feed (the sampled token is dropped until the last of them
+went in); only the tokens after them are produced, streamed and counted.
 """
 
 from __future__ import annotations
@@ -90,15 +94,30 @@ class Sequence:
     attn_mass: torch.Tensor | None = field(default=None, init=False)  # [L, T] accumulated (re-compression)
     evicted: int = field(default=0, init=False)  # tokens dropped by re-compression, all layers
     slid: int = field(default=0, init=False)  # tokens sliding layers' rings dropped, all layers
+    retain_key: str = field(default="", init=False)  # keep the cache under this key when it finishes
+    retained_positions: int = field(default=0, init=False)  # > 0: it was kept, holding these positions
+    forced: list[int] = field(default_factory=list, init=False)  # prompt tokens fed before any is sampled
+    full_from: int = field(default=0, init=False)  # every position from here on is cached in every layer
 
     def __post_init__(self) -> None:
         self.generated = [self.first_token]
+        self.full_from = self.prompt_length
         self.prompt_lengths = list(self.lengths)
         self.generator = None if self.sampling.greedy else make_generator(self.sampling.seed + 1)
 
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def produced(self) -> int:
+        """Tokens this sequence generated (``generated`` past its ``forced`` prompt tokens)."""
+        return len(self.generated) - len(self.forced)
+
+    @property
+    def feeding(self) -> bool:
+        """Whether its next step still feeds a prompt token (``forced``) rather than a sampled one."""
+        return len(self.generated) < len(self.forced)
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -110,7 +129,7 @@ class Sequence:
             return
         self.status = SequenceStatus.finished_with(reason)
         self.error = error
-        self.usage.generated_tokens = len(self.generated)
+        self.usage.generated_tokens = max(0, self.produced)
 
     def stop_reason(self, token: int) -> FinishReason | None:
         """The stop rules for ``token``, already the last of ``generated`` and already given to
@@ -119,6 +138,6 @@ class Sequence:
             return FinishReason.EOS
         if self.detok is not None and self.detok.stopped:
             return FinishReason.STOP
-        if len(self.generated) >= self.sampling.max_new_tokens:
+        if self.produced >= self.sampling.max_new_tokens:
             return FinishReason.LENGTH
         return None

@@ -35,12 +35,14 @@ from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.handoff.nixl_agent import NixlAgent
 from vlkv.common.load_stream import LoadStream
 from vlkv.common.model.spec import ModelSpec
+from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.admission import Admission
 from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.engine import DecodeEngine
 from vlkv.decode_worker.grpc_receiver import GrpcKVReceiver
 from vlkv.decode_worker.nixl_receiver import NixlKVReceiver
 from vlkv.decode_worker.rendezvous import Rendezvous
+from vlkv.decode_worker.retention import RETAINED_KEY, continued_sequence
 from vlkv.decode_worker.sequence import FINISH_REASON_PROTO, Sequence
 from vlkv.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ENGINE_DIED_EXIT_CODE = 70  # EX_SOFTWARE: the decode loop died; the process exits to be replaced
 EXIT_GRACE_S = 0.5
+MAX_RETAIN_KEY = 128  # characters of a retain_key kept (the gateway's are 32)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -136,8 +139,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not request.request_id:
             raise VlkvError("request_id is required", grpc.StatusCode.INVALID_ARGUMENT)
         logs.request_id.set(request.request_id)
+        if request.HasField("continue_from"):
+            seq = self._continued(request)
+        else:
+            seq = await self._claim(request)
+        seq.retain_key = request.retain_key[:MAX_RETAIN_KEY]
         try:
-            seq = await self.rendezvous.claim(request.request_id, request.wait_ms / 1000)
+            out = self.engine.submit(seq)
+            while (delta := await out.get()) is not None:
+                chunk = generate_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)
+                yield generate_pb2.GenerateResponse(request_id=seq.request_id, token=chunk)
+            if seq.error is not None:
+                raise seq.error
+            if seq.retained_positions:
+                context.set_trailing_metadata(((RETAINED_KEY, str(seq.retained_positions)),))
+            finished = generate_pb2.Finished(reason=FINISH_REASON_PROTO[seq.finish_reason], usage=seq.usage)
+            yield generate_pb2.GenerateResponse(request_id=seq.request_id, finished=finished)
+        finally:
+            if not seq.finished:
+                self.engine.cancel(seq)
+
+    async def _claim(self, request: worker_pb2.DecodeRequest) -> Sequence:
+        """The sequence whose cache a prefill worker hands off (or has) under the request's id."""
+        try:
+            return await self.rendezvous.claim(request.request_id, request.wait_ms / 1000)
         except VlkvError as exc:
             if exc.code != grpc.StatusCode.ALREADY_EXISTS:
                 self.rendezvous.abandon(request.request_id)
@@ -147,18 +172,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         ):  # the gateway gave up (client cancel): free the cache whenever it comes
             self.rendezvous.abandon(request.request_id)
             raise
-        try:
-            out = self.engine.submit(seq)
-            while (delta := await out.get()) is not None:
-                chunk = generate_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)
-                yield generate_pb2.GenerateResponse(request_id=seq.request_id, token=chunk)
-            if seq.error is not None:
-                raise seq.error
-            finished = generate_pb2.Finished(reason=FINISH_REASON_PROTO[seq.finish_reason], usage=seq.usage)
-            yield generate_pb2.GenerateResponse(request_id=seq.request_id, finished=finished)
-        finally:
-            if not seq.finished:
-                self.engine.cancel(seq)
+
+    def _continued(self, request: worker_pb2.DecodeRequest) -> Sequence:
+        """A follow-up turn on a cache this worker kept (``retention.py``); FAILED_PRECONDITION when it
+        holds the key no longer, INVALID_ARGUMENT for a turn that does not fit the kept cache."""
+        c = request.continue_from
+        if self.draining:
+            raise VlkvError("this decode worker is draining", grpc.StatusCode.UNAVAILABLE)
+        sampling = sampling_from_proto(c.sampling, self.cfg.limits)
+        vocab = getattr(self.spec, "vocab_size", 0)
+        if vocab and any(t >= vocab for t in c.input_ids):
+            raise VlkvError(
+                f"an input id is outside the vocabulary of {vocab}", grpc.StatusCode.INVALID_ARGUMENT
+            )
+        entry = self.engine.core.retained.take(c.key)
+        if entry is None:
+            raise VlkvError(
+                "the kept cache is gone (its blocks were needed)", grpc.StatusCode.FAILED_PRECONDITION
+            )
+        _, kv_heads, head_dim, dtype = self.layout
+        seq = continued_sequence(
+            entry,
+            self.pool,
+            request_id=request.request_id,
+            keep_positions=c.keep_positions,
+            input_ids=list(c.input_ids),
+            sampling=sampling,
+            prompt_tokens=c.prompt_tokens,
+            continued_tokens=c.continued_tokens,
+            detok=self.receiver.detokenizer(sampling),
+            token_bytes=self.kv_cache.token_bytes,
+            full_token_bytes=2 * kv_heads * head_dim * self.kv_cache.dtype.itemsize,
+        )
+        self.engine.core.retained.continued += 1
+        return seq
 
     async def GetLoad(self, request, context):
         return self.load()
@@ -184,6 +231,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             preemptions=self.engine.preemptions,
             kv_dtype=self.kv_cache.kv_dtype,
             block_bytes=self.kv_cache.block_bytes,
+            retained=len(self.engine.core.retained),
+            retained_blocks=self.engine.core.retained.held,
         )
 
 

@@ -37,6 +37,7 @@ from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import MAX_REQUEST_ID, PreparedRequest, prepare_request, to_prefill_proto
 from vlkv.common.reuse import ANONYMOUS, TENANT_KEY, tenant_of
+from vlkv.services.decode_continue import KeepPlan, KeptGone, Relay, keep_plan, note_kept, run_on_kept
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.prefix_index import route_keys
 from vlkv.services.router import Reservation, Router
@@ -230,6 +231,15 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         layer_tokens = req.compression.layer_tokens_estimate(req.m, self.spec.num_layers)
         sampling = req.sampling
         prefill_req = to_prefill_proto(req, decode_address="")  # serialized once, re-addressed per attempt
+        keep = keep_plan(req, prefill_req, self.cfg.verify)
+        found = self.router.kept.find(keep.tenant, keep.ids, keep.images) if keep is not None else None
+        if found is not None:
+            try:
+                async for resp in run_on_kept(self, found, keep, prefill_req, rid, start, caller_id, front):
+                    yield resp
+                return
+            except KeptGone:  # the worker gave the blocks back (or left) before the first token
+                self.metrics.kept_turns.labels("gone").inc()
         queue = self.cfg.queue
         loop = asyncio.get_running_loop()
         give_up = loop.time() + queue.admit_wait_s
@@ -252,7 +262,7 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
             prefill_req.request_id = rid if attempt == 0 else f"{rid}~{attempt}"  # workers' ids stay unique
             try:
                 async for resp in self._run(
-                    prefill_req, slot, start, caller_id, front, req.tenant or ANONYMOUS
+                    prefill_req, slot, start, caller_id, front, req.tenant or ANONYMOUS, keep
                 ):
                     yield resp
                 return
@@ -279,13 +289,19 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         caller_id: str,
         front: str,
         tenant: str = ANONYMOUS,
+        keep: KeepPlan | None = None,
     ):
         """One attempt: the decode worker's token stream, fed by a prefill that hands its cache there;
-        responses carry the caller's id."""
+        responses carry the caller's id. ``keep``: the decode worker is asked to keep the cache for the
+        conversation's next turn (``kept_turns.py``)."""
         decode = slot.worker
         deadline = self.cfg.transfer.deadline_s
         decode_call = decode.stub.Decode(
-            worker_pb2.DecodeRequest(request_id=prefill_req.request_id, wait_ms=int(deadline * 3000))
+            worker_pb2.DecodeRequest(
+                request_id=prefill_req.request_id,
+                wait_ms=int(deadline * 3000),
+                retain_key=keep.key if keep is not None else "",
+            )
         )
         decode.in_flight += 1
         prefill_task = asyncio.ensure_future(self._prefill(prefill_req, tenant))
@@ -295,30 +311,21 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
         prefill_task.add_done_callback(
             lambda t: t.cancelled() or t.exception() is None or decode_call.cancel()
         )
-        last = None
+        relay = Relay(self.metrics, front, start, caller_id)
         try:
             async for resp in decode_call:
-                resp.request_id = caller_id
-                now = time.perf_counter()
-                if last is None:
-                    ttft_ms = (now - start) * 1000
-                    self.metrics.ttft.labels(front).observe(now - start)
-                elif resp.HasField("token"):
-                    self.metrics.itl.labels(front).observe(now - last)
-                last = now
-                if resp.HasField("token"):
-                    self.metrics.tokens.labels(front).inc(len(resp.token.token_ids))
-                else:
+                relay.see(resp)
+                if resp.HasField("finished"):
                     usage = resp.finished.usage
-                    usage.ttft_ms = ttft_ms
                     await _add_reuse_usage(usage, prefill_task)
-                    self.metrics.compression.observe(usage.compression_ratio)
-                    self.metrics.record_verdict(usage, prefill_req.compression.budget or DEFAULT_BUDGET)
-                    self.metrics.kv_bytes.inc(usage.kv_bytes_kept)
-                    self.metrics.window_saved.inc(usage.kv_bytes_window_saved)
-                    self.metrics.record_prompt(usage)
+                    relay.finish(usage, prefill_req.compression.budget or DEFAULT_BUDGET)
+                    if keep is not None and await note_kept(
+                        self.router.kept, decode_call, keep, decode.address, relay.emitted
+                    ):
+                        self.metrics.kept_turns.labels("kept").inc()
                 yield resp
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            last = relay.last
             failure = _prefill_failure(prefill_task)
             if failure is not None:
                 if last is None and _refused_for_room(failure):
@@ -392,6 +399,8 @@ async def _add_reuse_usage(usage: generate_pb2.Usage, prefill_task: asyncio.Futu
     usage.compression_profile = reply.compression_profile
     for name in PREFILL_USAGE_FIELDS:
         setattr(usage, name, getattr(reply, name))
+    if usage.continued_tokens:
+        usage.continued_on = "prefill"  # the prefill worker's kept compact cache, handed off again
 
 
 PREFILL_USAGE_FIELDS = (

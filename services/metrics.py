@@ -84,6 +84,13 @@ class GatewayMetrics:
             ["source"],
             registry=r,
         )
+        self.kept_turns = Counter(
+            "vlkv_kept_turns",
+            "conversation continue turns on decode workers' kept caches: kept (a turn's cache kept for the next), "
+            "continued (a turn decoded on one), gone (the worker had given it back: served the usual way)",
+            ["event"],
+            registry=r,
+        )
         self.image_cache = Counter(
             "vlkv_image_cache_requests",
             "requests with images by prefill image-cache result (hit: every image reused)",
@@ -149,7 +156,10 @@ class GatewayMetrics:
     def record_prompt(self, usage) -> None:
         """How a finished request's prompt tokens got their K/V."""
         cached, continued, m = usage.cached_prompt_tokens, usage.continued_tokens, usage.prompt_tokens
-        if continued:
+        if usage.continued_on == "decode":  # the kept cache's positions, the rest fed by the decode worker
+            self.prompt_tokens.labels("continued").inc(max(0, m - cached))
+            self.prompt_tokens.labels("retained_compressed").inc(cached)
+        elif continued:
             self.prompt_tokens.labels("continued").inc(continued)
             self.prompt_tokens.labels("retained_compressed").inc(max(0, m - continued))
         else:

@@ -360,6 +360,7 @@ def usage_json(u: generate_pb2.Usage) -> dict:
             "kv_bytes_window_saved": u.kv_bytes_window_saved,
             "continued_tokens": u.continued_tokens,
             "continue_refused": u.continue_refused,
+            "continued_on": u.continued_on,
             "verification": None
             if not u.verify
             else {

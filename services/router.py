@@ -11,6 +11,8 @@ publisher, indexer and scheduler):
 - ``image_index.py`` ``ImageIndex``: which prefill worker holds which image;
 - ``prefix_index.py`` ``PrefixIndex``: which prefill worker was sent which prompt prefix (a conversation's
   follow-up goes there: it prefills only its new tokens);
+- ``kept_turns.py`` ``KeptTurns``: which decode worker kept which conversation turn's cache (an unverified
+  ``continue`` follow-up is decoded there, with no prefill);
 - ``strategies.py``: the picks, pure functions of the candidates and the request, in one table;
 - ``admission_queue.py`` ``AdmissionQueue``: requests waiting for a decode worker with room.
 
@@ -32,6 +34,7 @@ from vlkv.common.grpc_server import make_channel
 from vlkv.common.security import SecurityConfig
 from vlkv.services.admission_queue import AdmissionQueue
 from vlkv.services.image_index import ImageIndex
+from vlkv.services.kept_turns import KeptTurns
 from vlkv.services.load_board import DROP_S, STALE_S, LoadBoard, Reservation, Worker
 from vlkv.services.load_watch import POLL_S, LoadWatch
 from vlkv.services.prefix_index import PrefixIndex
@@ -77,6 +80,7 @@ class Router:
         self.decode = LoadBoard()
         self.images = ImageIndex()
         self.prefixes = PrefixIndex()
+        self.kept = KeptTurns()  # which decode worker kept which conversation turn's cache
         self.queue = AdmissionQueue()
         self.watch = LoadWatch(self._on_report)
 
@@ -101,6 +105,7 @@ class Router:
     async def remove(self, address: str) -> None:
         self.images.forget(address)
         self.prefixes.forget(address)
+        self.kept.forget(address)
         for board in (self.prefill, self.decode):
             w = board.leave(address)
             if w is not None:

@@ -143,7 +143,7 @@ class Finished(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile", "verified_candidate", "verified_agreement", "verified_kl", "budget_raises", "floor_met", "verify", "verified_budget", "draft_tokens", "kv_bytes_window_saved", "cached_prompt_tokens", "continued_tokens", "continue_refused")
+    __slots__ = ("prompt_tokens", "vision_tokens", "generated_tokens", "kv_bytes_kept", "kv_bytes_full", "compression_ratio", "layer_budgets", "ttft_ms", "policy", "image_cache_hit", "recomputed_image_tokens", "recompute_ratio", "compression_profile", "verified_candidate", "verified_agreement", "verified_kl", "budget_raises", "floor_met", "verify", "verified_budget", "draft_tokens", "kv_bytes_window_saved", "cached_prompt_tokens", "continued_tokens", "continue_refused", "continued_on")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VISION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class Usage(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_ON_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     vision_tokens: int
     generated_tokens: int
@@ -194,4 +195,5 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     continued_tokens: int
     continue_refused: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ..., verified_candidate: _Optional[str] = ..., verified_agreement: _Optional[float] = ..., verified_kl: _Optional[float] = ..., budget_raises: _Optional[int] = ..., floor_met: _Optional[bool] = ..., verify: _Optional[str] = ..., verified_budget: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., kv_bytes_window_saved: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., continued_tokens: _Optional[int] = ..., continue_refused: _Optional[bool] = ...) -> None: ...
+    continued_on: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ..., verified_candidate: _Optional[str] = ..., verified_agreement: _Optional[float] = ..., verified_kl: _Optional[float] = ..., budget_raises: _Optional[int] = ..., floor_met: _Optional[bool] = ..., verify: _Optional[str] = ..., verified_budget: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., kv_bytes_window_saved: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., continued_tokens: _Optional[int] = ..., continue_refused: _Optional[bool] = ..., continued_on: _Optional[str] = ...) -> None: ...

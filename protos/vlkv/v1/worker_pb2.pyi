@@ -121,12 +121,32 @@ class PrefillReply(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., vision_tokens: _Optional[int] = ..., post_vision_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., kv_bytes_kept: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., layer_budgets: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., policy: _Optional[str] = ..., image_cache_hit: _Optional[bool] = ..., recomputed_image_tokens: _Optional[int] = ..., recompute_ratio: _Optional[float] = ..., compression_profile: _Optional[str] = ..., verified_candidate: _Optional[str] = ..., verified_agreement: _Optional[float] = ..., verified_kl: _Optional[float] = ..., budget_raises: _Optional[int] = ..., floor_met: _Optional[bool] = ..., verify: _Optional[str] = ..., verified_budget: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., kv_bytes_window_saved: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., continued_tokens: _Optional[int] = ..., continue_refused: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "wait_ms")
+    __slots__ = ("request_id", "wait_ms", "retain_key", "continue_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    retain_key: str
+    continue_from: ContinueFrom
+    def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., retain_key: _Optional[str] = ..., continue_from: _Optional[_Union[ContinueFrom, _Mapping]] = ...) -> None: ...
+
+class ContinueFrom(_message.Message):
+    __slots__ = ("key", "keep_positions", "input_ids", "sampling", "prompt_tokens", "continued_tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    keep_positions: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generate_pb2.SamplingParams
+    prompt_tokens: int
+    continued_tokens: int
+    def __init__(self, key: _Optional[str] = ..., keep_positions: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., continued_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("bytes_received", "blocks_allocated")
@@ -141,7 +161,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full", "compression_profile", "verifier", "kv_bytes_window_saved", "prefix_cache")
+    __slots__ = ("address", "running", "waiting", "free_blocks", "total_blocks", "block_size", "draining", "model_fingerprint", "admit_blocks", "reserves_new_tokens", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "images_added", "images_evicted", "images_full", "compression_profile", "verifier", "kv_bytes_window_saved", "prefix_cache", "retained", "retained_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +184,8 @@ class WorkerLoad(_message.Message):
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_WINDOW_SAVED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     running: int
     waiting: int
@@ -186,7 +208,9 @@ class WorkerLoad(_message.Message):
     verifier: VerifierStats
     kv_bytes_window_saved: int
     prefix_cache: PrefixCacheStats
-    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[VerifierStats, _Mapping]] = ..., kv_bytes_window_saved: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+    retained: int
+    retained_blocks: int
+    def __init__(self, address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., admit_blocks: _Optional[int] = ..., reserves_new_tokens: _Optional[bool] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., images_added: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_evicted: _Optional[_Iterable[_Union[ImageDigest, _Mapping]]] = ..., images_full: _Optional[bool] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[VerifierStats, _Mapping]] = ..., kv_bytes_window_saved: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., retained: _Optional[int] = ..., retained_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("blocks", "bytes_held", "capacity_bytes", "lookups", "hits", "hit_tokens", "lookup_tokens", "evictions", "rejected", "block_tokens")

@@ -199,6 +199,21 @@ class BlockManager:
             table.append(block)
         return True
 
+    def grow(self, blocks: SequenceBlocks, lengths: list[int], extra: int) -> bool:
+        """Room for ``extra`` more tokens in every layer (after ``lengths[l]``), idle blocks given back if
+        needed; all or nothing (no sliding layers: a continued turn's, ``retention.py``)."""
+        need = [
+            max(0, ceil_div(n + extra, self.block_size) - len(t))
+            for t, n in zip(blocks.tables, lengths, strict=True)
+        ]
+        if not self._make_room(sum(need)):
+            return False
+        for table, k in zip(blocks.tables, need, strict=True):
+            ids = [self._free.pop() for _ in range(k)]
+            self._used.update(ids)
+            table.extend(ids)
+        return True
+
     def slide(self, blocks: SequenceBlocks, lengths: list[int]) -> int:
         """After a step: drop every sliding layer's leading blocks that no later step reads (its cache,
         ``lengths[l]`` entries, is a run of its latest positions; the attention reads its last ``W``) and

@@ -8,7 +8,9 @@ import torch
 from vlkv.common.compression.windows import binding_windows
 from vlkv.common.config import DEFAULT_PROMPT_WEIGHT, PoolConfig
 from vlkv.common.errors import ResourceExhausted, VlkvError
-from vlkv.common.sampling import sample_tokens
+from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.forced import append_tokens
+from vlkv.common.sampling import make_generator, sample_token, sample_tokens
 from vlkv.decode_worker.block_manager import AdmissionPolicy, BlockManager, recompress_target
 from vlkv.decode_worker.kv_cache import KVCache
 from vlkv.decode_worker.model_runner import ModelRunner, StepInput
@@ -138,6 +140,31 @@ class DecodeCore:
             seq.status = SequenceStatus.WAITING
             self.scheduler.add(seq)
         return delta
+
+    def feed(self, seq: Sequence) -> bool:
+        """Run a continued turn's ``forced`` prompt tokens (``retention.py``) through the model in one forward
+        over its kept cache, their K/V written into its blocks, and sample its first token: ``seq`` is then
+        an ordinary sequence, as if a prefill had handed it off (its prompt the whole turn's). In the engine's
+        model thread, before the sequence is added. False (nothing changed: its steps feed the tokens one
+        at a time) where that is not possible: a quantized pool, no room for the tokens now, no model."""
+        f = len(seq.forced)
+        model = getattr(self.runner, "model", None)
+        if model is None or self.cache.quantized or f == 0 or self.decode_budget > 0:
+            return False
+        if not self.blocks.grow(seq.blocks, seq.lengths, f):
+            return False
+        layers = [self.cache.read(t, n) for t, n in zip(seq.blocks.tables, seq.lengths, strict=True)]
+        kept = CompactKV([k for k, _ in layers], [v for _, v in layers], prompt_length=seq.prompt_length)
+        extended, logits = append_tokens(model, kept, seq.forced)
+        for table, k, v in zip(seq.blocks.tables, extended.keys, extended.values, strict=True):
+            self.cache.write(table, k, v)
+        seq.lengths = [k.shape[1] for k in extended.keys]
+        seq.prompt_length += f
+        generator = None if seq.sampling.greedy else make_generator(seq.sampling.seed)
+        seq.first_token = sample_token(logits, seq.sampling, generator)
+        seq.generated = [seq.first_token]
+        seq.forced = []
+        return True
 
     def end(self, seq: Sequence, reason: FinishReason, error: VlkvError | None = None) -> None:
         """End a sequence from outside (``CANCELLED``: its caller went away; ``ERROR``: it cannot be

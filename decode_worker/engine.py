@@ -104,6 +104,10 @@ class DecodeEngine:
             self._close(seq)
         return out
 
+    async def run_model(self, fn, *args):
+        """``fn(*args)`` in the model's thread (between the loop's steps: one model call at a time)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     def notify(self) -> None:
         """Blocks were freed outside the loop: let preempted sequences try to resume."""
         self._wake.set()

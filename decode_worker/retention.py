@@ -8,8 +8,11 @@ prompt length) on, every position is there in every layer, so those can be dropp
 
 The next turn's ``Decode`` names the key in ``continue_from``: ``continued_sequence`` takes the entry, drops
 its positions from ``keep_positions`` on (where the new prompt stops agreeing with what the cache holds: the
-chat template may render the answer otherwise than it was sampled), and builds a sequence whose first steps
-feed the rest of the new prompt (``Sequence.forced``) before it samples. Nothing is prefilled or handed off.
+chat template may render the answer otherwise than it was sampled), and builds a sequence holding the rest of
+the new prompt (``Sequence.forced``). ``DecodeCore.feed`` runs those tokens over the kept cache in one forward
+(``common/model/forced.append_tokens``, the prefill worker's continuation pass) and samples the first token; in
+a quantized pool (or with no room for them at once) the sequence's first steps feed them one at a time instead.
+Nothing is prefilled on a prefill worker or handed off.
 
 Bounds: the pool itself. Kept blocks are idle (``BlockManager.idle``): an admission, a resume or a step's
 growth that needs them takes them back, least recently kept first, so keeping never refuses a request nor

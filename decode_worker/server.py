@@ -141,6 +141,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         logs.request_id.set(request.request_id)
         if request.HasField("continue_from"):
             seq = self._continued(request)
+            await self._feed(seq)
         else:
             seq = await self._claim(request)
         seq.retain_key = request.retain_key[:MAX_RETAIN_KEY]
@@ -158,6 +159,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             if not seq.finished:
                 self.engine.cancel(seq)
+
+    async def _feed(self, seq: Sequence) -> None:
+        """A continued turn's prompt tokens in one forward (``DecodeCore.feed``), in the model's thread; on
+        any failure its blocks go back to the pool, once the forward no longer writes them."""
+        done = asyncio.ensure_future(self.engine.run_model(self.engine.core.feed, seq))
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:  # the gateway gave up: free the blocks when the forward is over
+            done.add_done_callback(lambda _: self.pool.free(seq.blocks))
+            raise
+        except Exception:
+            self.pool.free(seq.blocks)
+            raise
 
     async def _claim(self, request: worker_pb2.DecodeRequest) -> Sequence:
         """The sequence whose cache a prefill worker hands off (or has) under the request's id."""

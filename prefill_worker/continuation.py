@@ -6,8 +6,8 @@ The prefill worker keeps the compact cache it handed off for a turn sent with ``
 keyed by the prompt's block chain, ``common/prefix_key.py``, so per model and tenant; checked against the
 prompt's ids and the KV layout before use; bounded in bytes, least recently used out). A later prompt that
 extends one it kept exactly (its ids start with the kept prompt's) has its new tokens (the answer, the next
-question) run over that compact cache in one forward (``append_tokens``: the teacher-forcing pass of
-``teacher_force.py``, whose K/V it keeps), and the compact cache plus the new tokens' full K/V is handed off
+question) run over that compact cache in one forward (``common/model/forced.append_tokens``: the
+teacher-forcing pass, whose K/V it keeps), and the compact cache plus the new tokens' full K/V is handed off
 as this turn's cache. Nothing is verified: the compact cache was chosen for the earlier question, and a
 later one may need what it dropped (KVzip, 2025, measures that failure; ``docs/conversations.md`` ours).
 """
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.prefill_worker.teacher_force import _Forced, forced_hidden, model_windows
 
 
 @dataclass(slots=True)
@@ -103,39 +102,3 @@ class Retained:
     @property
     def bytes_held(self) -> int:
         return self._bytes
-
-
-class _Appending(_Forced):
-    """``_Forced`` over one cache that also keeps the new tokens' K/V of every layer."""
-
-    def __init__(self, cache: CompactKV, windows: tuple[int, ...]) -> None:
-        super().__init__([cache], 1, windows)
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        self.kept[layer_idx] = (key, value)
-        return super().update(key, value, layer_idx)
-
-
-@torch.inference_mode()
-def append_tokens(
-    model, cache: CompactKV, tokens: list[int], cut: tuple[int, ...] = ()
-) -> tuple[CompactKV, torch.Tensor]:
-    """``cache`` with ``tokens`` appended (their K/V computed over it at positions ``prompt_length ..``), and
-    the next-token logits ``[vocab]`` (fp32) after the last. ``cut``: per layer a binding sliding window
-    (0: none): such a layer keeps its last ``W - 1`` positions, as at prefill."""
-    forced = _Appending(cache, model_windows(model))
-    hidden = forced_hidden(model, [cache], [list(tokens)], forced)
-    logits = model.lm_head(hidden[:, -1:]).float()[0, -1]
-    keys, values = [], []
-    for layer, (k_old, v_old) in enumerate(zip(cache.keys, cache.values, strict=True)):
-        k_new, v_new = forced.kept[layer]  # [1, H_kv, T, D]
-        k = torch.cat([k_old, k_new[0].to(k_old.dtype)], dim=1)
-        v = torch.cat([v_old, v_new[0].to(v_old.dtype)], dim=1)
-        w = cut[layer] if cut else 0
-        if w > 0 and k.shape[1] > w - 1:
-            k, v = k[:, -(w - 1) :], v[:, -(w - 1) :]
-        keys.append(k.contiguous())
-        values.append(v.contiguous())
-    out = CompactKV(keys, values, prompt_length=cache.prompt_length + len(tokens))
-    return out, logits

@@ -31,13 +31,14 @@ from vlkv.common.errors import InvalidInput
 from vlkv.common.handoff.compact_kv import CompactKV
 from vlkv.common.model.attention import use_vlkv_attention
 from vlkv.common.model.cache_kwarg import cache_arg
+from vlkv.common.model.forced import append_tokens
 from vlkv.common.model.inputs import ModalityMap
 from vlkv.common.model.question import prompt_question
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import PreparedRequest
 from vlkv.common.sampling import NonFiniteLogits, make_generator, sample_token
 from vlkv.kernels.attention_stats import attention_stats
-from vlkv.prefill_worker.continuation import Retained, RetainedCache, append_tokens
+from vlkv.prefill_worker.continuation import Retained, RetainedCache
 from vlkv.prefill_worker.draft_batch import DraftBatcher
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.image_cache import ImageCache

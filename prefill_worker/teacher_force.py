@@ -22,114 +22,7 @@ from collections.abc import Iterator
 
 import torch
 from vlkv.common.handoff.compact_kv import CompactKV
-from vlkv.common.model.cache_kwarg import cache_arg
-from vlkv.common.model.families import family_of
-from vlkv.common.model.loading import language_model
-
-
-class _Forced:
-    """The ``vlkv_decode`` object of one forward: ``update`` keeps the forced tokens' K/V, ``attend``
-    attends over the kept prefix (masked) and the forced tokens (causal).
-
-    Per layer the caches are sorted by their kept length and cut into ``groups`` groups of about equal
-    count, each padded to its own longest (a layer of a 10% cache can keep 30x the tokens of a 2% one:
-    padded to one length, most of the work was on padding)."""
-
-    def __init__(self, caches: list[CompactKV], groups: int = 4, windows: tuple[int, ...] = ()) -> None:
-        self.windows = windows  # per layer its sliding window (such a layer's prefix: its last positions)
-        self.dtype = caches[0].keys[0].dtype  # the pool's: the forced tokens' K/V are rounded to it
-        self.prefix: list[list[tuple]] = []
-        for layer in range(len(caches[0].keys)):
-            h, _, d = caches[0].keys[layer].shape
-            device = caches[0].keys[layer].device
-            lengths = torch.tensor([c.keys[layer].shape[1] for c in caches])
-            parts = []
-            for idx in torch.tensor_split(torch.argsort(lengths, stable=True), min(groups, len(caches))):
-                length = int(lengths[idx].max())
-                kk = torch.zeros(len(idx), h, length, d, device=device)  # fp32: read so by every forced token
-                vv = torch.zeros_like(kk)
-                keep = torch.zeros(len(idx), length, dtype=torch.bool, device=device)
-                for r, i in enumerate(idx.tolist()):
-                    n = int(lengths[i])
-                    kk[r, :, :n], vv[r, :, :n] = caches[i].keys[layer], caches[i].values[layer]
-                    keep[r, :n] = True
-                parts.append((idx.to(device), kk, vv, keep))
-            self.prefix.append(parts)
-        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        self.new[layer_idx] = (key, value)
-        return key, value
-
-    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query ``[B, H, T, D]`` -> output ``[B, T, H, D]``. The ``H / Hkv`` query heads that share a KV head
-        are one ``[group * T]`` block of rows against that head's keys (the keys are not repeated per query
-        head); the kept prefix and the forced tokens are scored apart and share one softmax."""
-        kn, vn = self.new.pop(layer_idx)
-        b, h, t, d = query.shape
-        hkv = kn.shape[1]
-        # fp32 throughout, as the decode step's paged attention computes (new K/V rounded to the pool's dtype)
-        kn, vn = kn.to(self.dtype).float(), vn.to(self.dtype).float()
-        q = (query.float() * scaling).reshape(b, hkv, (h // hkv) * t, d)
-        window = self.windows[layer_idx] if self.windows else 0
-        rows = torch.arange(t, device=query.device)
-        causal = rows[None, :] <= rows[:, None]
-        if window > 0:  # forced token g reads the forced tokens after g - W
-            causal &= rows[None, :] > rows[:, None] - window
-        causal = causal.repeat(h // hkv, 1)
-        out = torch.empty_like(q)
-        for idx, k0, v0, keep in self.prefix[layer_idx]:
-            qi, kni, vni = q[idx], kn[idx], vn[idx]
-            prefix = torch.matmul(qi, k0.transpose(2, 3))  # [b, Hkv, group * T, L]
-            prefix.masked_fill_(~self._visible(keep, window, t, h // hkv), float("-inf"))
-            own = torch.matmul(qi, kni.transpose(2, 3)).masked_fill_(~causal, float("-inf"))
-            probs = torch.softmax(torch.cat([prefix, own], -1), dim=-1)
-            length = k0.shape[2]
-            out[idx] = torch.matmul(probs[..., :length], v0) + torch.matmul(probs[..., length:], vni)
-        return out.reshape(b, h, t, d).to(query.dtype).transpose(1, 2)
-
-    @staticmethod
-    def _visible(keep: torch.Tensor, window: int, t: int, group: int) -> torch.Tensor:
-        """``[b, 1, group * T or 1, L]``: which kept prefix entries each forced row reads. A sliding layer's
-        ``n`` kept entries are its last prompt positions, so forced token ``g`` (at ``m + g``) reads entry ``j``
-        when ``j > n + g - W`` (the query at ``p`` reads keys after ``p - W``)."""
-        if window <= 0:
-            return keep[:, None, None, :]
-        n = keep.sum(-1)  # [b]
-        j = torch.arange(keep.shape[-1], device=keep.device)
-        g = torch.arange(t, device=keep.device)
-        seen = keep[:, None, :] & (j[None, None, :] > (n[:, None, None] + g[None, :, None] - window))
-        return seen.repeat(1, group, 1)[:, None]  # rows are (query head of the group, forced token)
-
-
-def forced_hidden(model, caches: list[CompactKV], tokens: list[list[int]], forced: _Forced) -> torch.Tensor:
-    """The final-norm hidden states ``[len(caches), T, hidden]`` of ``tokens`` fed over ``caches`` (token 0 of
-    row ``i`` at position ``caches[i].prompt_length``), through ``forced`` (a ``_Forced`` over the caches)."""
-    lm = language_model(model)
-    t = max(len(x) for x in tokens)
-    ids = torch.tensor([x + [x[-1]] * (t - len(x)) for x in tokens])  # padding after a row's end is unseen
-    positions = torch.tensor([c.prompt_length for c in caches])[:, None] + torch.arange(t)
-    family = family_of(lm.config)
-    hidden = lm.embed_tokens(ids.to(lm.embed_tokens.weight.device))
-    layers = lm.layers[: len(caches[0].keys)]
-    step = {  # what the decode step passes every layer, with this forward's object as cache and hook
-        "attention_mask": None,
-        "position_ids": positions,
-        "use_cache": True,
-        "vlkv_decode": forced,
-        **cache_arg(layers[0], forced),
-    }
-    rope = family.position_embeddings(lm, hidden, positions)
-    for layer, position_embeddings in zip(layers, rope, strict=False):
-        hidden = layer(hidden, position_embeddings=position_embeddings, **step)
-    return lm.norm(hidden)
-
-
-def model_windows(model) -> tuple[int, ...]:
-    """Per layer the sliding window the model's attention reads (() when none has one)."""
-    lm = language_model(model)
-    windows = family_of(lm.config).windows(lm.config)
-    return tuple(windows) if any(windows) else ()
+from vlkv.common.model.forced import ForcedAttention, forced_hidden, model_windows
 
 
 @torch.inference_mode()
@@ -139,8 +32,8 @@ def forced_logprobs(
     """Per cache ``i``, ``(i, logq)``: ``logq`` ``[len(tokens[i]), vocab]`` fp32, row ``g`` the log-softmax of
     the next-token logits after feeding ``tokens[i][: g + 1]`` over cache ``i`` (token 0 at position
     ``prompt_length``, as the decode core feeds the prefill's token). The LM head runs ``rows_per_head``
-    caches at a time; ``groups``: ``_Forced``'s length groups per layer (the same distributions with any)."""
-    hidden = forced_hidden(model, caches, tokens, _Forced(caches, groups, model_windows(model)))
+    caches at a time; ``groups``: ``ForcedAttention``'s length groups per layer (the same distributions with any)."""
+    hidden = forced_hidden(model, caches, tokens, ForcedAttention(caches, groups, model_windows(model)))
     for at in range(0, len(caches), rows_per_head):
         logq = torch.log_softmax(model.lm_head(hidden[at : at + rows_per_head]).float(), -1)
         for r in range(logq.shape[0]):

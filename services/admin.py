@@ -39,6 +39,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         block_bytes=w.load.block_bytes,
                         compression_profile=w.load.compression_profile,
                         kv_bytes_window_saved=w.load.kv_bytes_window_saved,
+                        retained=w.load.retained,
+                        retained_blocks=w.load.retained_blocks,
                     )
                 )
                 if kind == "prefill" and w.load.HasField("image_cache"):

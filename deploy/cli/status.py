@@ -61,6 +61,12 @@ def cmd_status(args) -> int:
                 f"compression profile {w.address}: {w.compression_profile or 'none (the policies defaults)'}"
             )
     for w in st.workers:
+        if w.kind == "decode" and w.retained:
+            print(
+                f"kept turns {w.address}: {w.retained} caches in {w.retained_blocks} idle blocks "
+                "(given back whenever a request needs them)"
+            )
+    for w in st.workers:
         if w.kind == "prefill" and w.HasField("verifier") and w.verifier.verified:
             print(f"verification {w.address}: {format_verifier(w.verifier)}")
         if w.kind == "prefill" and w.kv_bytes_window_saved:

@@ -100,3 +100,22 @@ def test_a_kept_cache_that_is_gone_is_served_the_usual_way(cluster):
 
 async def _give_back(cluster) -> None:
     kept(cluster).clear()
+
+
+def test_status_and_metrics_report_the_kept_turns(cluster):
+    from vlkv.v1 import admin_pb2, admin_pb2_grpc
+
+    reg = cluster.gateway.servicer.metrics.registry
+
+    def events(name: str) -> float:
+        return reg.get_sample_value("vlkv_kept_turns_total", {"event": name}) or 0
+
+    before = {e: events(e) for e in ("kept", "continued")}
+    image = png(56)
+    ask(cluster, conversation(1), image)
+    ask(cluster, conversation(2), image)
+    assert events("kept") - before["kept"] == 2 and events("continued") - before["continued"] == 1
+    status = admin_pb2_grpc.AdminStub(cluster.channel).GetStatus(admin_pb2.StatusRequest(), timeout=10)
+    (decode,) = [w for w in status.workers if w.kind == "decode"]
+    assert decode.retained == len(kept(cluster)) >= 1
+    assert decode.retained_blocks == kept(cluster).held > 0

@@ -6,10 +6,12 @@ Part 1, TTFT: per history length (about 1K and 2K tokens: a RULER-style document
 reference answer, then a follow-up question), each conversation's first turn is sent (it fills the prefix
 cache and, sent with ``conversation: continue``, keeps its compact cache), then its follow-up three times:
 cold (``reuse: off``: no cache read nor filled), from the prefix cache (the default: the history's K/V from
-the cache, the whole prompt re-compressed for the new question), and continued (``continue``: the new
-tokens appended to the first turn's compact cache), in an order rotated per conversation so the machine's
-drift falls on all three. TTFT is the client's, from the
-call to the first token; p50/p99 over the conversations.
+the cache, the whole prompt re-compressed for the new question), continued on the decode worker (``continue``,
+unverified: the decode worker's own cache of the first turn, its answer included, the rest of the prompt fed
+there, no prefill and no hand-off) and continued on the prefill worker (the same request with the gateway's
+record of kept turns hidden: the new tokens appended to the first turn's compact cache the prefill worker
+kept, then handed off), in an order rotated per conversation so the machine's drift falls on all four. TTFT
+is the client's, from the call to the first token; p50/p99 over the conversations.
 
 Part 2, hit rate under a mixed load: conversations of three turns, a few at once (a new one starts as one
 ends), on two prefill workers whose prefix caches hold a few conversations each (``--mixed-cache-mb``): the share of
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import grpc
 from vlkv.common.config import ModelConfig, ServerConfig
+from vlkv.services.kept_turns import KeptTurns
 from vlkv.services.prefix_index import PrefixIndex
 from vlkv.v1 import generate_pb2, generate_pb2_grpc
 
@@ -98,6 +101,7 @@ def _call(stub, req) -> dict:
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": usage.cached_prompt_tokens,
         "continued_tokens": usage.continued_tokens,
+        "continued_on": usage.continued_on,
         "ratio": usage.compression_ratio,
     }
 
@@ -129,15 +133,30 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def measure_ttft(stub, convs: list, budget: float) -> dict:
-    records = {"cold": [], "prefix cache": [], "continue": []}
-    order = [("cold", "off", ""), ("prefix cache", "auto", ""), ("continue", "auto", "continue")]
+CONDITIONS = ("cold", "prefix cache", "continue (decode)", "continue (prefill)")
+
+
+def measure_ttft(gateway, stub, convs: list, budget: float) -> dict:
+    records: dict[str, list[dict]] = {label: [] for label in CONDITIONS}
+    order = [
+        ("cold", "off", ""),
+        ("prefix cache", "auto", ""),
+        ("continue (decode)", "auto", "continue"),
+        ("continue (prefill)", "auto", "continue"),
+    ]
+    router = gateway.servicer.router
     for i, conv in enumerate(convs):
-        # the first turn fills the prefix cache and, sent with "continue", keeps its compact cache
+        # the first turn fills the prefix cache and, sent with "continue", is kept by both workers
         _call(stub, _request(conv[:1], budget, conversation="continue"))
         follow = conv[:3]
-        for label, reuse, mode in order[i % 3 :] + order[: i % 3]:  # rotated: drift falls on all three
-            records[label].append(_call(stub, _request(follow, budget, reuse, mode)))
+        for label, reuse, mode in order[i % 4 :] + order[: i % 4]:  # rotated: drift falls on all four
+            kept = router.kept
+            if label == "continue (prefill)":  # the gateway forgets the kept turn: the prefill worker's path
+                router.kept = KeptTurns()
+            try:
+                records[label].append(_call(stub, _request(follow, budget, reuse, mode)))
+            finally:
+                router.kept = kept
     out = {}
     for label, recs in records.items():
         t = [r["ttft_s"] for r in recs]
@@ -146,12 +165,14 @@ def measure_ttft(stub, convs: list, budget: float) -> dict:
             "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in recs),
             "cached_tokens": statistics.mean(r["cached_tokens"] for r in recs),
             "continued_tokens": statistics.mean(r["continued_tokens"] for r in recs),
+            "on_decode": sum(r["continued_on"] == "decode" for r in recs),
+            "on_prefill": sum(r["continued_on"] == "prefill" for r in recs),
             "ttft_p50_ms": percentile(t, 50) * 1000,
             "ttft_p99_ms": percentile(t, 99) * 1000,
             "realized_ratio": statistics.mean(r["ratio"] for r in recs),
         }
-    out["speedup_p50"] = out["cold"]["ttft_p50_ms"] / out["prefix cache"]["ttft_p50_ms"]
-    out["continue_speedup_p50"] = out["cold"]["ttft_p50_ms"] / out["continue"]["ttft_p50_ms"]
+    cold = out["cold"]["ttft_p50_ms"]
+    out["speedup_p50"] = {label: cold / out[label]["ttft_p50_ms"] for label in CONDITIONS[1:]}
     return out
 
 
@@ -179,20 +200,18 @@ def measure_mixed(gateway, stub, convs: list, budget: float, concurrency: int, r
 
 
 def table(ttft: dict, mixed: dict) -> str:
-    lines = ["| history | follow-up | prompt tokens | from prefix cache | appended to compact | TTFT p50 ms | "
-             "TTFT p99 ms | realized ratio |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| history | follow-up | prompt tokens | cached positions | appended | continued on decode / prefill | "
+             "TTFT p50 ms | TTFT p99 ms | realized ratio |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for length, res in ttft.items():
-        for label in ("cold", "prefix cache", "continue"):
+        for label in CONDITIONS:
             r = res[label]
             lines.append(
                 f"| {length} | {label} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | "
-                f"{r['continued_tokens']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-                f"{r['realized_ratio']:.3f} |"
+                f"{r['continued_tokens']:.0f} | {r['on_decode']} / {r['on_prefill']} of {r['n']} | "
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['realized_ratio']:.3f} |"
             )
-        lines.append(
-            f"| {length} | p50 speed-up over cold | | | | prefix cache {res['speedup_p50']:.2f}x, "
-            f"continue {res['continue_speedup_p50']:.2f}x | | |"
-        )
+        ups = ", ".join(f"{label} {x:.2f}x" for label, x in res["speedup_p50"].items())
+        lines.append(f"| {length} | p50 speed-up over cold | {ups} | | | | | | |")
     lines += ["", "| routing (2 prefill workers) | requests | at once | follow-ups with half or more cached | "
               "follow-up tokens cached | evictions |", "|---|---|---|---|---|---|"]  # fmt: skip
     for label, r in mixed.items():
@@ -213,14 +232,15 @@ def plot(ttft: dict, out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     lengths = list(ttft)
-    for j, label in enumerate(("cold", "prefix cache", "continue")):
-        xs = [i + 0.27 * j for i in range(len(lengths))]
+    width = 0.2
+    for j, label in enumerate(CONDITIONS):
+        xs = [i + width * j for i in range(len(lengths))]
         p50 = [ttft[n][label]["ttft_p50_ms"] for n in lengths]
         p99 = [ttft[n][label]["ttft_p99_ms"] for n in lengths]
-        ax.bar(xs, p50, width=0.27, label=f"{label} p50")
+        ax.bar(xs, p50, width=width, label=f"{label} p50")
         ax.plot(xs, p99, "k_", markersize=18)
-    ax.set_xticks([i + 0.27 for i in range(len(lengths))], [f"{n} history" for n in lengths])
-    ax.set(ylabel="follow-up TTFT, ms (bars p50, ticks p99)", title="prefix cache vs cold prefill")
+    ax.set_xticks([i + 1.5 * width for i in range(len(lengths))], [f"{n} history" for n in lengths])
+    ax.set(ylabel="follow-up TTFT, ms (bars p50, ticks p99)", title="follow-up TTFT by path")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "prefix_ttft.png", dpi=120)
@@ -267,7 +287,7 @@ def main(args) -> int:
         for length in lengths:
             convs = conversations(processor.tokenizer, length, args.prefix_n, seed=length)
             ttft[f"{length // 1024}K" if length % 1024 == 0 else str(length)] = measure_ttft(
-                stub, convs, args.prefix_budget
+                gateway, stub, convs, args.prefix_budget
             )
             print(f"  {length}: {json.dumps(ttft[list(ttft)[-1]], default=float)}", flush=True)
     finally:

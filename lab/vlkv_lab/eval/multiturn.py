@@ -18,7 +18,7 @@ Suites (held-out splits, never tuned on):
 Every arm sees the same history: the earlier turns' questions and the full cache's answers (so what
 differs between arms is the cache alone, not what an earlier wrong answer said). Per turn: ``full`` the
 full cache; ``recompress`` the default policy over the whole prompt (the prefix cache hands the worker the
-same K/V a cold prefill computes, ``tests/test_prefix_cache.py``); ``continue`` the first turn's compact
+same K/V a cold prefill computes, ``tests/unit/test_prefix_cache.py``); ``continue`` the first turn's compact
 cache with each later turn's new tokens appended (``prefill_worker.continuation.append_tokens``, as the
 prefill worker continues; a prompt that does not extend the last one falls back to ``recompress`` and is
 counted); ``verified`` continuation as a verified server serves it (``PrefillEngine.run_verified``): each
@@ -45,9 +45,9 @@ import torch
 from vlkv.common.compression.registry import DEFAULT_POLICY
 from vlkv.common.compression.verify import DEFAULT_DRAFT_TOKENS, DEFAULT_FLOOR, VerifyPlan
 from vlkv.common.handoff.compact_kv import CompactKV
+from vlkv.common.model.forced import append_tokens
 from vlkv.common.model.inputs import prepare_inputs
 from vlkv.common.model.spec import ModelSpec
-from vlkv.prefill_worker.continuation import append_tokens
 from vlkv.prefill_worker.draft_queries import run_draft
 from vlkv.prefill_worker.verifier import check_continued
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vlkv.v1 import worker_pb2 as vlkv_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13vlkv/v1/admin.proto\x12\x07vlkv.v1\x1a\x14vlkv/v1/worker.proto\"\x0f\n\rStatusRequest\"\xaf\x03\n\x0cWorkerStatus\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0f\n\x07swapped\x18\t \x01(\r\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12-\n\x0bimage_cache\x18\x0b \x01(\x0b\x32\x18.vlkv.v1.ImageCacheStats\x12\x10\n\x08kv_dtype\x18\x14 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x15 \x01(\x04\x12\x1b\n\x13\x63ompression_profile\x18\x16 \x01(\t\x12(\n\x08verifier\x18\x17 \x01(\x0b\x32\x16.vlkv.v1.VerifierStats\x12\x1d\n\x15kv_bytes_window_saved\x18\x18 \x01(\x04\x12/\n\x0cprefix_cache\x18\x19 \x01(\x0b\x32\x19.vlkv.v1.PrefixCacheStats\"a\n\x0cScalingEvent\x12\x11\n\tunix_time\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xab\x01\n\rClusterStatus\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.vlkv.v1.WorkerStatus\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\r\x12\x16\n\x0erequests_total\x18\x03 \x01(\x04\x12%\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x15.vlkv.v1.ScalingEvent\x12\x17\n\x0f\x61\x64mission_queue\x18\x05 \x01(\r2D\n\x05\x41\x64min\x12;\n\tGetStatus\x12\x16.vlkv.v1.StatusRequest\x1a\x16.vlkv.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13vlkv/v1/admin.proto\x12\x07vlkv.v1\x1a\x14vlkv/v1/worker.proto\"\x0f\n\rStatusRequest\"\xda\x03\n\x0cWorkerStatus\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0f\n\x07swapped\x18\t \x01(\r\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12-\n\x0bimage_cache\x18\x0b \x01(\x0b\x32\x18.vlkv.v1.ImageCacheStats\x12\x10\n\x08kv_dtype\x18\x14 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x15 \x01(\x04\x12\x1b\n\x13\x63ompression_profile\x18\x16 \x01(\t\x12(\n\x08verifier\x18\x17 \x01(\x0b\x32\x16.vlkv.v1.VerifierStats\x12\x1d\n\x15kv_bytes_window_saved\x18\x18 \x01(\x04\x12/\n\x0cprefix_cache\x18\x19 \x01(\x0b\x32\x19.vlkv.v1.PrefixCacheStats\x12\x10\n\x08retained\x18\x1a \x01(\r\x12\x17\n\x0fretained_blocks\x18\x1b \x01(\r\"a\n\x0cScalingEvent\x12\x11\n\tunix_time\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xab\x01\n\rClusterStatus\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.vlkv.v1.WorkerStatus\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\r\x12\x16\n\x0erequests_total\x18\x03 \x01(\x04\x12%\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x15.vlkv.v1.ScalingEvent\x12\x17\n\x0f\x61\x64mission_queue\x18\x05 \x01(\r2D\n\x05\x41\x64min\x12;\n\tGetStatus\x12\x16.vlkv.v1.StatusRequest\x1a\x16.vlkv.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=54
   _globals['_STATUSREQUEST']._serialized_end=69
   _globals['_WORKERSTATUS']._serialized_start=72
-  _globals['_WORKERSTATUS']._serialized_end=503
-  _globals['_SCALINGEVENT']._serialized_start=505
-  _globals['_SCALINGEVENT']._serialized_end=602
-  _globals['_CLUSTERSTATUS']._serialized_start=605
-  _globals['_CLUSTERSTATUS']._serialized_end=776
-  _globals['_ADMIN']._serialized_start=778
-  _globals['_ADMIN']._serialized_end=846
+  _globals['_WORKERSTATUS']._serialized_end=546
+  _globals['_SCALINGEVENT']._serialized_start=548
+  _globals['_SCALINGEVENT']._serialized_end=645
+  _globals['_CLUSTERSTATUS']._serialized_start=648
+  _globals['_CLUSTERSTATUS']._serialized_end=819
+  _globals['_ADMIN']._serialized_start=821
+  _globals['_ADMIN']._serialized_end=889
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "compression_profile", "verifier", "kv_bytes_window_saved", "prefix_cache")
+    __slots__ = ("kind", "address", "state", "running", "waiting", "free_blocks", "total_blocks", "in_flight", "swapped", "preemptions", "image_cache", "kv_dtype", "block_bytes", "compression_profile", "verifier", "kv_bytes_window_saved", "prefix_cache", "retained", "retained_blocks")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class WorkerStatus(_message.Message):
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_WINDOW_SAVED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     address: str
     state: str
@@ -47,7 +49,9 @@ class WorkerStatus(_message.Message):
     verifier: _worker_pb2.VerifierStats
     kv_bytes_window_saved: int
     prefix_cache: _worker_pb2.PrefixCacheStats
-    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[_worker_pb2.ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[_worker_pb2.VerifierStats, _Mapping]] = ..., kv_bytes_window_saved: _Optional[int] = ..., prefix_cache: _Optional[_Union[_worker_pb2.PrefixCacheStats, _Mapping]] = ...) -> None: ...
+    retained: int
+    retained_blocks: int
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., swapped: _Optional[int] = ..., preemptions: _Optional[int] = ..., image_cache: _Optional[_Union[_worker_pb2.ImageCacheStats, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., compression_profile: _Optional[str] = ..., verifier: _Optional[_Union[_worker_pb2.VerifierStats, _Mapping]] = ..., kv_bytes_window_saved: _Optional[int] = ..., prefix_cache: _Optional[_Union[_worker_pb2.PrefixCacheStats, _Mapping]] = ..., retained: _Optional[int] = ..., retained_blocks: _Optional[int] = ...) -> None: ...
 
 class ScalingEvent(_message.Message):
     __slots__ = ("unix_time", "kind", "action", "replicas", "reason")

@@ -1,7 +1,7 @@
 """Runs a gateway, a prefill worker and a decode worker in this process, on a background event loop.
 
 Real gRPC over localhost between the three servers; tests talk to the gateway with a sync client.
-(The Ray-placed deployment has its own tests in test_deploy_local.py.)
+(The Ray-placed deployment has its own tests in tests/integration/test_deploy_local.py.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared fixtures for the KV wire tests: random caches, a fake block pool, bitwise comparison."""
+"""Shared helpers for the KV wire tests: random caches, a fake block pool, bitwise comparison, feeding a stream."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from vlkv.common.handoff.wire import KVWireError, encode_compact_kv
 from vlkv.v1 import generate_pb2, kv_pb2
 
 FP = "0123456789abcdef"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 H, D = 2, 8
 
 
@@ -74,3 +75,11 @@ class FakePool:
         else:
             layout = ckv_or_layout
         return KVAssembler(fingerprint, layout, allocate=self.allocate, release=self.release, **kw)
+
+
+def feed_all(pool: FakePool, ckv, chunks, **kw):
+    """Feed ``chunks`` to a fresh assembler of ``pool`` for ``ckv``; what ``finish`` returns."""
+    asm = pool.assembler(ckv, **kw)
+    for c in chunks:
+        asm.feed(c)
+    return asm.finish()

@@ -3,7 +3,7 @@
 On a CUDA machine, in order, each step's output going into ``<out>/report.md``:
 
 1. The compiled kernels against their torch references: the kernel tests with ``TRITON_INTERPRET=0``
-   (needs the repository's ``tests/``; skipped with a note when run from an installed package).
+   (needs the repository's ``tests/unit/``; skipped with a note when run from an installed package).
 2. ``vlkv kernels compile --targets <this GPU>``: registers, shared memory, spills, occupancy of the
    binaries this GPU runs.
 3. ``python -m vlkv_lab.bench.kernels``: the statistics kernel's overhead against a prefill layer (SDPA
@@ -27,7 +27,9 @@ NO_GPU = "vlkv bench gpu: no CUDA device on this machine, nothing measured (`vlk
 def _steps(out: Path, quick: bool, cc: int) -> list[tuple[str, list[str], dict]]:
     py = sys.executable
     repo = Path(__file__).resolve().parents[3]  # lab/vlkv_lab/bench/gpu.py -> the repo
-    tests = [repo / "tests" / n for n in ("test_kernel_attention_stats.py", "test_kernel_paged_decode.py")]
+    tests = [
+        repo / "tests" / "unit" / n for n in ("test_kernel_attention_stats.py", "test_kernel_paged_decode.py")
+    ]
     steps = []
     if all(t.exists() for t in tests):
         cmd = [py, "-m", "pytest", "-q", *map(str, tests)]

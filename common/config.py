@@ -101,7 +101,7 @@ class PoolConfig:
     decode_window: int = 32
     # What the prompt-time score of a kept token (its attention per post-vision row, KVHeader.prompt_scores)
     # counts for against attention mass accumulated while decoding: re-compression starts a token's mass at
-    # prompt_weight x its score. Chosen on the task's training split (``vlkv eval --kv-table``).
+    # prompt_weight x its score. Chosen on the task's training split (``vlkv eval kv-table``).
     prompt_weight: float = DEFAULT_PROMPT_WEIGHT
     # Each sequence's decode step runs as a batch of one: its tokens do not depend on what else is decoding
     # (bfloat16/float16 matmuls round differently with the batch's size), at the cost of throughput.

@@ -117,7 +117,7 @@ class ModelRunner:
     cut into groups of ``INVARIANT_ROWS`` rows, the last one padded with rows that write and read no cache,
     each sequence attends alone, and the step runs on one intra-op thread; a row's result in a matmul of one
     shape on one thread does not depend on its place or its neighbours (with two threads it can: a small
-    model's row 4 of 5 did; ``tests/test_batch_invariant.py`` checks the logits bit for bit at 1 and 2). On other devices
+    model's row 4 of 5 did; ``tests/unit/test_batch_invariant.py`` checks the logits bit for bit at 1 and 2). On other devices
     each sequence steps as a batch of one (their kernels are not checked here).
     """
 

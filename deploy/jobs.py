@@ -1,4 +1,4 @@
-"""``--jobs`` of ``vlkv eval --zoo`` and ``vlkv calibrate``: how many workers of the tools' one pool
+"""``--jobs`` of ``vlkv eval zoo`` and ``vlkv calibrate``: how many workers of the tools' one pool
 (``pool.py``) it means.
 
 Their matmuls are small, so a second torch thread in one process gains little; two processes on two cores

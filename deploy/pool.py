@@ -1,4 +1,4 @@
-"""The tools' one worker pool (``vlkv eval --zoo --jobs N``, ``vlkv calibrate --jobs N``).
+"""The tools' one worker pool (``vlkv eval zoo --jobs N``, ``vlkv calibrate --jobs N``).
 
 ``Pool(jobs, work, setup, spec)`` starts ``jobs`` spawned processes of one torch thread each
 (``OMP_NUM_THREADS=1`` at spawn, ``torch.set_num_threads(1)``). Each runs ``setup(spec)`` once (calibrate

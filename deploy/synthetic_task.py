@@ -21,7 +21,7 @@ Kinds (``KINDS``):
 - ``colour_of_two_shapes`` 1 image, two regions: "what colour are the square and the circle ?" ->
   "the square red , the circle blue ." (half the scenes give the two shapes one colour). The answer depends
   on two separate regions of the image, and the second deciding word is the 7th generated token.
-- ``colour_of_shape_long`` (``LONG_KIND``, not in the main mix: ``vlkv eval --kv-table``'s long answers)
+- ``colour_of_shape_long`` (``LONG_KIND``, not in the main mix: ``vlkv eval kv-table``'s long answers)
   1 image: "look at the image and answer the question : what colour is the square ?" -> a 68-word answer
   that walks through the question (naming the square four times) and ends "so the square red ." The one
   deciding word is the 67th generated token, after 66 tokens of the sequence's own text: what decode-phase

@@ -146,8 +146,8 @@ def prepare(
 
     task: the module whose ``prompt_text`` renders the prompt and whose ``is_correct`` scores the answers.
     next_attention: also the first decoding token's attention (``cache_hit_rate``'s truth; one more decode
-    step per example, which ``vlkv eval --zoo`` does not read). counter: a ``tools.progress.Progress`` told of
-    each example as its prefill ends (``vlkv eval --zoo``'s one bar over the whole run)."""
+    step per example, which ``vlkv eval zoo`` does not read). counter: a ``tools.progress.Progress`` told of
+    each example as its prefill ends (``vlkv eval zoo``'s one bar over the whole run)."""
     spec = ModelSpec.from_model(model, processor.tokenizer)
     engine = PrefillEngine(model, spec)
     out = []

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("-n", type=int, default=8, help="number of questions")
     p.add_argument("--seed", type=int, default=0)
     # VL-Cache at 10% by default, each question also asked with the full cache for the summary's comparison
-    # (`vlkv eval --table` measures accuracy across policies and budgets).
+    # (`vlkv eval table` measures accuracy across policies and budgets).
     p.add_argument(
         "--policy",
         default="",

@@ -1,4 +1,4 @@
-"""``vlkv eval --kv-table`` on the shipped default model (a few examples): the 8-bit formats against fp16
+"""``vlkv eval kv-table`` on the shipped default model (a few examples): the 8-bit formats against fp16
 on the short kinds, and the long kind decoded to its end with decode-phase re-compression off and on."""
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """The model zoo (lab/vlkv_lab/zoo): every member a row. Its task is deterministic, splits are disjoint and questions
 well posed; the one ``is_correct`` reads its scored words in order; its shipped checkpoint loads like a user's,
-has the member's geometry and answers held-out questions with the full cache; ``vlkv eval --zoo`` runs."""
+has the member's geometry and answers held-out questions with the full cache; ``vlkv eval zoo`` runs."""
 
 from __future__ import annotations
 

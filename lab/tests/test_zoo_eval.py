@@ -1,4 +1,4 @@
-"""vlkv eval --zoo's machinery without a model: shared decodes of identical caches, the text tasks' full-cache
+"""vlkv eval zoo's machinery without a model: shared decodes of identical caches, the text tasks' full-cache
 screen before any row, and the ``--rows`` filter of the ablation rows."""
 
 from types import SimpleNamespace

@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo --jobs N`` (the tools' one pool, ``deploy/pool.py``): worker processes give the serial
+"""``vlkv eval zoo --jobs N`` (the tools' one pool, ``deploy/pool.py``): worker processes give the serial
 run's results in its order, and an item that fails in its worker stops the run with its name and error,
 leaving no worker."""
 
@@ -55,7 +55,7 @@ def test_an_item_that_fails_in_its_worker_stops_the_run_and_names_it(tmp_path, c
     assert not multiprocessing.active_children()  # every worker ended, none left running
 
 
-@pytest.mark.parametrize("command", [["eval", "--zoo"], ["calibrate", "--prompts", "p.jsonl"]])
+@pytest.mark.parametrize("command", [["eval", "zoo"], ["calibrate", "--prompts", "p.jsonl"]])
 def test_cli_refuses_zero_jobs_before_any_work(command, capsys):
     from vlkv.deploy.cli.main import main
 

@@ -1,5 +1,5 @@
 """Every lab path that loads a zoo member goes through ``Member.checkpoint()``, which assembles a real-decoder
-member on first use: on a fresh machine ``vlkv eval --zoo --members smol_codes`` (and ``calibrate_check``)
+member on first use: on a fresh machine ``vlkv eval zoo --members smol_codes`` (and ``calibrate_check``)
 failed with "model path ... is not a directory" because ``run_member`` read ``model_dir`` directly."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo --verify`` (``lab/vlkv_lab/eval/zoo_verify.py``) on a tiny random LLaVA posing as a zoo member:
+"""``vlkv eval zoo --verify`` (``lab/vlkv_lab/eval/zoo_verify.py``) on a tiny random LLaVA posing as a zoo member:
 verifier rows at every budget, ``select`` at exactly its candidates' realized budgets and never raised,
 ``floor`` raised along the doubling chain only, the candidates' curves the zoo's own rows where they are the
 same policy, and the tables and plot written beside the zoo's; without ``--verify`` nothing of it."""
@@ -163,13 +163,9 @@ def test_run_zoo_writes_the_verifier_section_and_plot_only_when_asked(tiny_membe
     assert "Verified compression" not in (tmp_path / "plain" / "zoo.md").read_text()
 
 
-def test_verify_without_zoo_is_refused():
-    from vlkv_lab.eval.command import misplaced_flags
+def test_verify_is_a_flag_of_the_zoo_only(capsys):
+    from vlkv.deploy.cli.main import main
 
-    assert "--verify" in misplaced_flags(SimpleNamespace(**{**vars(_defaults()), "verify": True}))
-
-
-def _defaults():
-    from vlkv_lab.eval.command import _defaults
-
-    return _defaults()
+    with pytest.raises(SystemExit) as refused:  # the default model's report has no verified rows
+        main(["eval", "--verify"])
+    assert refused.value.code == 2 and "--verify" in capsys.readouterr().err

@@ -64,7 +64,7 @@ def _table(title: str, accs: dict, budgets, profile, labels, n: int = 0) -> list
 
 
 def _member(name: str, n: int, seed: int, rows_at, budgets, chunk: int = 50) -> dict:
-    """A zoo member's held-out rows as ``vlkv eval --zoo`` scores them (``zoo_scoring``: one prefill per
+    """A zoo member's held-out rows as ``vlkv eval zoo`` scores them (``zoo_scoring``: one prefill per
     example, the full cache's answers, every row compressed and decoded through the in-process engine), at
     each budget only the rows ``rows_at(budget)`` (the default and the profile's entry there), without the
     oracle rows this check does not read."""
@@ -97,7 +97,7 @@ def _member(name: str, n: int, seed: int, rows_at, budgets, chunk: int = 50) -> 
 
 def check_member(member: str, profile_path: str, n: int, budgets, seed: int = 0) -> list[str]:
     """``member``: a zoo member, or ``text:TASK[:LENGTH]`` (the real-text suite's task on SmolLM2 in bfloat16,
-    the rows ``vlkv eval --zoo --members text`` scores; 1,024 tokens unless given)."""
+    the rows ``vlkv eval zoo --members text`` scores; 1,024 tokens unless given)."""
     profile = read_profile(profile_path)
     configs = [(DEFAULT_POLICY, DEFAULT_POLICY, {}), *profile_rows(profile)]
     if member.startswith("text:"):

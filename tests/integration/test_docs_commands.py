@@ -7,6 +7,7 @@ of each command's own tests (and ``vlkv bench all --quick`` of the bench's)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import subprocess
@@ -72,13 +73,13 @@ def parser():
 
 
 def _subparser(parser, argv: list[str]):
-    """The parser of the command (and a bench program) ``argv`` names, and the words after its name."""
+    """The parser of the command (and a bench or eval program) ``argv`` names, and the words after its name."""
     action = next(a for a in parser._actions if a.dest == "command")
     assert argv and argv[0] in action.choices, f"no command {argv[:1]}"
     sub, rest = action.choices[argv[0]], argv[1:]
-    programs = [a for a in sub._actions if a.dest == "what"]
+    programs = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]  # bench's, eval's
     if programs and rest and not rest[0].startswith("-"):
-        assert rest[0] in programs[0].choices, f"no bench program {rest[0]!r}"
+        assert rest[0] in programs[0].choices, f"no {argv[0]} program {rest[0]!r}"
         sub, rest = programs[0].choices[rest[0]], rest[1:]
     return sub, rest
 

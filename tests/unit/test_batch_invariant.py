@@ -2,7 +2,7 @@
 
 A matmul's rounding depends on how many rows it multiplies, so a batched step's logits differ in their last
 bits from a sequence's solo step (here in float32; in bfloat16 on a real model such a difference flips
-greedy tokens, ``vlkv eval --api``). With the option the decode worker runs every step on CPU in groups of
+greedy tokens, ``vlkv eval api``). With the option the decode worker runs every step on CPU in groups of
 one shape, each sequence attending alone: the same bits whatever else is decoding.
 """
 

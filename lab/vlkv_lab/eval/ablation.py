@@ -1,4 +1,4 @@
-"""``vlkv eval --ablation``: where VL-Cache's accuracy goes on the default model (common/compression/README.md).
+"""``vlkv eval ablation``: where VL-Cache's accuracy goes on the default model (common/compression/README.md).
 
 Runs on the held-out split, every example prefilled once (``evaluation.prepare``):
 
@@ -147,7 +147,7 @@ def run_ablation(args, model, processor, prepared, full_accuracy: float, start: 
     md = [
         f"# VL-Cache ablations ({n} examples of split {split}, full cache {full_accuracy:.3f})",
         "",
-        f"Command: `vlkv eval --ablation -n {n}{'' if split == 'heldout' else f' --split {split}'}`",
+        f"Command: `vlkv eval ablation -n {n}{'' if split == 'heldout' else f' --split {split}'}`",
         "",
         "## 1. Scorer / allocator / window swaps (accuracy; mean k_l per layer at 10%)",
         "",

@@ -1,6 +1,6 @@
-"""``vlkv eval --api``: the held-out accuracy measured through the public gRPC API.
+"""``vlkv eval api``: the held-out accuracy measured through the public gRPC API.
 
-``vlkv eval --table`` / ``--zoo`` prefill each example once and compress it per (policy, budget) in-process
+``vlkv eval table`` / ``zoo`` prefill each example once and compress it per (policy, budget) in-process
 (``zoo_scoring.py``), which is what makes a sweep of every policy over the budgets affordable on a CPU. This
 command checks that table against the served system: it starts a gateway, a prefill worker and a decode
 worker (real gRPC over localhost, in this process, as ``vlkv serve --model DIR`` starts them), asks every
@@ -10,7 +10,7 @@ per run, the accuracy and how many answers differ from the in-process table's an
 What is checked (``_target``): the default model's synthetic task (``--model``), or ``--member NAME``, a zoo
 member (``lab/vlkv_lab/zoo``; a real-decoder member is assembled on first use) or ``text:TASK[:LENGTH]``, a task of
 the real-text suite on SmolLM2-135M-Instruct (``zoo_text.TextTask``, 1,024 tokens unless given), served in
-bfloat16 as ``vlkv eval --zoo`` scores it (``vlkv serve --model DIR --dtype bfloat16``; ``--dtype`` serves and
+bfloat16 as ``vlkv eval zoo`` scores it (``vlkv serve --model DIR --dtype bfloat16``; ``--dtype`` serves and
 scores both sides in another dtype: bfloat16 decoding is not batch-invariant, ``--dtype float32`` with
 ``--concurrency`` above 1 checks the batched served path without bfloat16's rounding; ``--batch-invariant``
 serves with ``vlkv serve --batch-invariant``, each sequence decoded as a batch of one, and decodes the
@@ -279,7 +279,7 @@ def _markdown(args, target: Target, rows, profile, profile_path: str, wall: floa
         f"# Accuracy through the public gRPC API ({target.name or 'the default model'}, {n} examples of split "
         f"{split}, {target.dtype})",
         "",
-        f"Command: `vlkv eval --api{member} -n {args.n} {what} --budgets {args.budgets}{dtype}`",
+        f"Command: `vlkv eval api{member} -n {args.n} {what} --budgets {args.budgets}{dtype}`",
         "",
     ]
     head = "| run | accuracy (API) | accuracy (in-process table) | answers that differ | usage not naming the profile |"

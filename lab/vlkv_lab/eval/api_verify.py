@@ -1,4 +1,4 @@
-"""``vlkv eval --api --api-verify floor|select``: verified compression through the public gRPC API against the
+"""``vlkv eval api --api-verify floor|select``: verified compression through the public gRPC API against the
 same verifier in process.
 
 Every held-out question is asked through a local gateway and workers (``api_check.ask_served``: real gRPC) at
@@ -80,7 +80,7 @@ def run_api_verify(args) -> int:
         f"# Verified compression through the public gRPC API ({target.name or 'the default model'}, {n} "
         f"examples, {target.dtype}, verify={mode})",
         "",
-        f"Command: `vlkv eval --api{f' --member {target.name}' if target.name else ''} -n {args.n} "
+        f"Command: `vlkv eval api{f' --member {target.name}' if target.name else ''} -n {args.n} "
         f"--api-verify {mode} --budgets {args.budgets} --concurrency {args.concurrency}`",
         "",
         head,

@@ -1,4 +1,4 @@
-"""``vlkv eval --kv-table`` (and ``--table`` with ``--kv-dtype``/``--decode-budget``): accuracy of the KV
+"""``vlkv eval kv-table`` (and ``vlkv eval table`` with ``--kv-dtype``/``--decode-budget``): accuracy of the KV
 storage options on the default model's held-out split (``--split train`` to choose a setting) -> ``kv.md``.
 
 1. 8-bit vs fp16: ``--policy`` (vlcache) at ``--budget`` (10%) with the cache stored in fp16 (the model's
@@ -98,7 +98,7 @@ def run_kv_table(args, model, processor, prepared, full, start) -> int:
         f"{getattr(args, 'split', 'heldout')} "
         f"(full cache {full.accuracy:.3f}) and {len(long_prepared)} of the long kind",
         "",
-        f"Command: `vlkv eval --kv-table -n {args.n} --policy {policy} --budget {budget} --kv-dtype {kv_dtype} "
+        f"Command: `vlkv eval kv-table -n {args.n} --policy {policy} --budget {budget} --kv-dtype {kv_dtype} "
         f"--decode-budget {recompress:g} --decode-window {args.decode_window} --prompt-weight {weight:g}`",
         "",
         "| run | examples | policy | kv dtype | max new tokens | decode re-compression | accuracy | "

@@ -77,7 +77,7 @@ def merge(kvpress_rows: Iterable[dict], vlkv_rows: Iterable[dict]) -> dict[tuple
 
 
 def vlkv_rows(zoo_results: dict, first: dict[tuple[str, int], int] | None = None) -> list[dict]:
-    """vlkv's rows from ``vlkv eval --zoo``'s ``results`` (its text tasks, named ``text <task> <K>K``, with
+    """vlkv's rows from ``vlkv eval zoo``'s ``results`` (its text tasks, named ``text <task> <K>K``, with
     per-item ``hits``), in this module's row shape, with the ``all`` task pooling a length's tasks (for the
     labels every task has: a dropped task has only ``full``). ``error``: why a task was dropped. first:
     per (task, length) score only the first n items (the suite's items are deterministic, so those are
@@ -138,7 +138,7 @@ def markdown(rows: list[dict], budgets: Iterable[float]) -> str:
     ):
         out += [f"#### {task}, {length} tokens", ""]
         dropped = {r["error"] for r in cells.values() if r.get("system") == "vlkv" and r.get("error")}
-        out += [f"`vlkv eval --zoo` dropped this task: {d}.\n" for d in sorted(dropped)]
+        out += [f"`vlkv eval zoo` dropped this task: {d}.\n" for d in sorted(dropped)]
         out.append("| method (mode) | " + " | ".join(f"{b:.0%} kept" for b in budgets) + " |")
         out.append("| --- |" + " --- |" * len(budgets))
         methods = list(dict.fromkeys((m, mode) for m, mode, _ in cells))

@@ -6,7 +6,7 @@ returns, per layer and KV head, the attention those answer rows pay to each prom
 prompt and the answer so far, summed over the answer rows and over the query heads of the KV group):
 ``[H_kv, m]``. ``oracle_cache`` keeps, per layer and KV head, the top-``k_l`` tokens of that mass
 (``CompactKV`` holds a different selection per KV head, with one ``k_l`` per layer), at given per-layer
-budgets: the default policy's (``vlkv eval --zoo``'s "oracle at the default's budgets") or the oracle's own
+budgets: the default policy's (``vlkv eval zoo``'s "oracle at the default's budgets") or the oracle's own
 (``mass_budgets``: the same total, spread over layers by answer attention mass). It is a ceiling, not a
 policy: it reads the answer before choosing.
 """

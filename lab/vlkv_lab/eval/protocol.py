@@ -1,6 +1,6 @@
-"""``vlkv eval --protocol FILES --out DIR``: the tuning protocol (v2.2) recomputed from saved results.
+"""``vlkv eval protocol FILES --out DIR``: the tuning protocol (v2.2) recomputed from saved results.
 
-Reads ``vlkv eval --zoo --ablation`` outputs (``zoo.json`` / ``zoo_ablation.json``; several files are merged
+Reads ``vlkv eval zoo --ablation`` outputs (``zoo.json`` / ``zoo_ablation.json``; several files are merged
 per split and member, so rows and members run apart add up: ``protocol_rules.load``), decides the text
 dimension (``text_preset``, on the real-text tasks) and then the image dimension (every other option)
 (``protocol_kinds.py``; the rules are ``protocol_rules.py``'s, v2's), and writes both dimensions' tables
@@ -204,12 +204,12 @@ def run_protocol(args) -> int:
     try:
         data = load(paths)
     except ValueError as e:
-        raise SystemExit(f"vlkv eval --protocol: {e}") from None
+        raise SystemExit(f"vlkv eval protocol: {e}") from None
     train, heldout = data.get("train", {}), data.get("heldout", {})
     if not train:
-        raise SystemExit("vlkv eval --protocol: no training-split results among " + ", ".join(paths))
+        raise SystemExit("vlkv eval protocol: no training-split results among " + ", ".join(paths))
     text, image = decide_kinds(train, heldout)
-    command = "vlkv eval --protocol " + " ".join(str(p) for p in paths)
+    command = "vlkv eval protocol " + " ".join(str(p) for p in paths)
     md = render(text, image, train, heldout, command)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

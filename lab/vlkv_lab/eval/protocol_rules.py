@@ -1,6 +1,6 @@
 """The tuning protocol's rules (v2, ``common/compression/README.md``): scores, choice, folds, adoption.
 
-Computed from saved ``vlkv eval --zoo --ablation`` results (``load``), without running a model, over a set of
+Computed from saved ``vlkv eval zoo --ablation`` results (``load``), without running a model, over a set of
 members and candidate rows (``protocol_kinds.py`` picks them per prompt kind; ``protocol.py`` prints):
 
 - **Members that count**: not eviction-trained, not a dropped text task. The real-decoder members and the
@@ -49,7 +49,7 @@ MAX_DROP = 1.0
 
 
 def load(paths) -> dict[str, dict[str, dict]]:
-    """``{split: {member: result}}`` from ``vlkv eval --zoo`` JSON files, rows of one member and split merged
+    """``{split: {member: result}}`` from ``vlkv eval zoo`` JSON files, rows of one member and split merged
     (the per-example hits of a row run twice must agree in n; the later file's are kept). A label whose
     recorded policies (``configs[label]["resolved"]``) differ between two files ran two policies under one
     name, as "vlcache (defaults)" does across a change of the defaults: refused, not merged."""

@@ -96,7 +96,7 @@ def _table(args, model, processor, prepared, full, start) -> int:
         f"# Accuracy against KV budget ({len(prepared)} examples of split {getattr(args, 'split', 'heldout')}, "
         f"full cache {full.accuracy:.3f})",
         "",
-        "Command: `vlkv eval --table" + (f" -n {args.n}" if args.n else "") + "`",
+        "Command: `vlkv eval table" + (f" -n {args.n}" if args.n else "") + "`",
         "",
         "| policy | " + " | ".join(f"{b:.0%}" for b in TABLE_BUDGETS) + " |",
         "| --- |" + " --- |" * len(TABLE_BUDGETS),

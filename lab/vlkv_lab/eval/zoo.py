@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo``: every zoo member and text task x policy x budget, with the oracle ceiling.
+"""``vlkv eval zoo``: every zoo member and text task x policy x budget, with the oracle ceiling.
 
 Each member (``lab/vlkv_lab/zoo``) is loaded through ``load_model`` / ``load_processor`` like any user's checkpoint;
 its examples are prefilled once per chunk by the prefill worker's forward (``evaluation.prepare``), and every
@@ -10,7 +10,7 @@ SmolLM2-135M-Instruct (``zoo_text.py``; ``--text-n``, ``--text-lengths``, ``--te
 asks every question again through a local gateway and workers (real gRPC) with the default policy at each
 budget and counts the answers that differ from the in-process ones. ``--ablation`` swaps the table's rows for
 vlcache's options (``ABLATION``), the rows the tuning protocol chooses from (``common/compression/README.md``;
-``--rows`` runs some of them; ``vlkv eval --protocol`` reads the JSON files, ``protocol.py``). ``--jobs N``
+``--rows`` runs some of them; ``vlkv eval protocol`` reads the JSON files, ``protocol.py``). ``--jobs N``
 (default ``auto``: both cores here) runs the members and the text suite's (task, length) groups in N worker
 processes of one torch thread each, the longest first (the tools' one pool, ``deploy/pool.py``), with the same
 results and tables.
@@ -357,15 +357,15 @@ def run_zoo(args) -> int:
     steps = sum(item.steps for item in items)
     jobs = max(1, min(parse_jobs(getattr(args, "jobs", 1)), len(items)))
     if jobs > 1 and getattr(args, "api", False):
-        print("vlkv eval --zoo --api: one process (--api starts servers); --jobs ignored", file=sys.stderr)
+        print("vlkv eval zoo --api: one process (--api starts servers); --jobs ignored", file=sys.stderr)
         jobs = 1
     if verify and TEXT in names:
         print(
-            "vlkv eval --zoo --verify: verifier rows for the image members only, not the text suite",
+            "vlkv eval zoo --verify: verifier rows for the image members only, not the text suite",
             file=sys.stderr,
         )
     # one bar over the whole run, with an ETA: per example its prefill, then its rows, each weighted by its cost
-    with Progress(2 * steps, desc="vlkv eval --zoo", unit="steps") as bar:
+    with Progress(2 * steps, desc="vlkv eval zoo", unit="steps") as bar:
         if jobs > 1:
             spec = {"n": args.n, "seed": args.seed, "split": split, "configs": configs, "budgets": budgets}
             spec["text_n"] = text_n
@@ -384,7 +384,7 @@ def run_zoo(args) -> int:
                     pool.run(order, on_result=lambda i, result: finished(order[i], result))
             except WorkerFailed as e:
                 bar.close()
-                print(f"vlkv eval --zoo: {e.item} failed; the run is stopped.\n{e.error}", file=sys.stderr)
+                print(f"vlkv eval zoo: {e.item} failed; the run is stopped.\n{e.error}", file=sys.stderr)
                 return 1
         else:  # one process: the run as before --jobs
             for name in names:
@@ -473,7 +473,7 @@ def _command(args, split: str) -> str:
         " --api" if getattr(args, "api", False) else ""
     )
     flags += " --verify" if getattr(args, "verify", False) else ""
-    cmd = f"vlkv eval --zoo{flags} -n {args.n} --split {split}"
+    cmd = f"vlkv eval zoo{flags} -n {args.n} --split {split}"
     if getattr(args, "seed", 0):
         cmd += f" --seed {args.seed}"
     if getattr(args, "members", ""):

@@ -1,4 +1,4 @@
-"""The tables and the plot of ``vlkv eval --zoo``: per member, the worst member, the protocol's check, a ranking.
+"""The tables and the plot of ``vlkv eval zoo``: per member, the worst member, the protocol's check, a ranking.
 
 A member's result (``zoo.run_member`` / ``zoo_text.run_task``): ``full``, ``n``, ``m`` (mean prompt), ``rows``
 (``{label: {str(budget): accuracy}}``), ``hits`` (``{label: {str(budget): [right per example]}}``, for the

@@ -1,4 +1,4 @@
-"""Scoring one chunk of prefilled examples for ``vlkv eval --zoo``: every row at every budget, one prefill each.
+"""Scoring one chunk of prefilled examples for ``vlkv eval zoo``: every row at every budget, one prefill each.
 
 ``score_chunk`` decodes the full cache once, takes the oracle's answer attention from that answer
 (``oracle.py``), then per budget compresses every example with every ``(label, policy, params)`` row and the

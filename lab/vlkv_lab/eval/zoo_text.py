@@ -1,4 +1,4 @@
-"""The real-text suite's rows in ``vlkv eval --zoo``: SmolLM2-135M-Instruct on ``lab/vlkv_lab/zoo/text_suite.py``.
+"""The real-text suite's rows in ``vlkv eval zoo``: SmolLM2-135M-Instruct on ``lab/vlkv_lab/zoo/text_suite.py``.
 
 Each (task, length) is a row group of its own, scored like a member (``TextTask`` has the member interface
 ``evaluation.prepare`` and ``zoo_scoring`` read). The model is the text-only wrapper
@@ -32,7 +32,7 @@ tokens in bfloat16), then each without its queries (``Prepared.keep_stats``: the
 computed, the queries freed; 50 items at 2K take ~2.4 GB so); the items after them are prefilled again for
 the rows."""
 WEIGHT = 20
-"""``vlkv eval --zoo``'s bar: steps of one example of a SmolLM2-135M member or one 1K text item (2K: twice as
+"""``vlkv eval zoo``'s bar: steps of one example of a SmolLM2-135M member or one 1K text item (2K: twice as
 many), against 1 for a toy member's (CPU seconds here, 2026-11-27: 4-7.5 and 6-9, 15-17 at 2K, against
 0.2-0.5: ~0.1-0.2 s a step throughout, so the ETA holds from the toys to the text)."""
 DTYPE_ENV = "VLKV_TEXT_DTYPE"
@@ -147,7 +147,7 @@ def run_item(
     bar: Progress | None = None,
 ) -> tuple[str, dict]:
     """``(name, result)`` of one (task, length) on the loaded text model: one of ``run_text``'s, which
-    ``vlkv eval --zoo --jobs N`` runs as a work item of its own (``deploy/pool.py``). bar: the run's one bar,
+    ``vlkv eval zoo --jobs N`` runs as a work item of its own (``deploy/pool.py``). bar: the run's one bar,
     told of ``text_weight(length)`` steps for each of ``run_task``'s."""
     t = TextTask(task, length, processor.tokenizer, max_new_tokens=ts.max_new_tokens(task))
     steps = None if bar is None else Steps(bar, text_weight(length))

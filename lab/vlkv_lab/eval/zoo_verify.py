@@ -1,4 +1,4 @@
-"""``vlkv eval --zoo --verify``: verified compression's rows beside the fixed candidates it chooses from.
+"""``vlkv eval zoo --verify``: verified compression's rows beside the fixed candidates it chooses from.
 
 Per member and requested budget (the zoo's 1, 2, 5 and 10%) every example is asked again through the
 in-process stack (``deploy/inprocess.py``: the gateway's ``prepare_request``, ``PrefillEngine.run`` with the

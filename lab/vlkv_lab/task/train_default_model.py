@@ -331,11 +331,11 @@ def write_training_md(path: Path, rec: dict) -> None:
         per_kind,
         "",
         f"The long kind (`{long['kind']}`, not in the mix above: 69-token answers whose one deciding word is the "
-        f"67th token; `vlkv eval --kv-table`), max_new_tokens={LONG_MAX_NEW_TOKENS}, n={long['n']}: "
+        f"67th token; `vlkv eval kv-table`), max_new_tokens={LONG_MAX_NEW_TOKENS}, n={long['n']}: "
         f"**{long['accuracy']:.4f}**",
         "",
         "Reproduce the accuracy with `python -m vlkv_lab.zoo.accuracy default -n 300`; the compressed",
-        "accuracy with `vlkv eval --table -n 300`.",
+        "accuracy with `vlkv eval table -n 300`.",
         "",
         "```json",
         json.dumps(rec, indent=1),

@@ -1,4 +1,4 @@
-"""The one full-cache accuracy path of the zoo: the in-process engine that ``vlkv eval --zoo`` runs.
+"""The one full-cache accuracy path of the zoo: the in-process engine that ``vlkv eval zoo`` runs.
 
     python -m vlkv_lab.zoo.accuracy grid16 -n 300             # a shipped member's held-out accuracy
     python -m vlkv_lab.zoo.accuracy deep8 -n 0 --sparsity 50  # and/or its per-layer attention sparsity

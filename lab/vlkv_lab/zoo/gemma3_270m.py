@@ -122,7 +122,7 @@ GEOMETRY = "Gemma 3 270M base (18 layers, 15 sliding-512 / 3 global, GQA 4/1, D 
 
 
 def run_suite(args) -> int:
-    """The real-text suite (``zoo_text.run_item``, the rows of ``vlkv eval --zoo --members text``: full, the
+    """The real-text suite (``zoo_text.run_item``, the rows of ``vlkv eval zoo --members text``: full, the
     two oracles, the default, the previous default, every baseline, at ``zoo.ZOO_BUDGETS``) on this wrapper,
     loaded as any checkpoint (``VLKV_TEXT_DTYPE``); tables in ``--out``."""
     import json

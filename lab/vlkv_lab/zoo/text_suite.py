@@ -21,7 +21,7 @@ Lengths are prompt tokens under the model's tokenizer and chat template (1K, 2K,
 Everything is deterministic from ``(task, length, split, seed, index)``; the ``train`` and ``heldout`` splits
 draw from disjoint seed spaces.
 
-API (the kvpress anchor and ``vlkv eval --zoo`` import it)::
+API (the kvpress anchor and ``vlkv eval zoo`` import it)::
 
     from vlkv_lab.zoo import text_suite as ts
     batch = ts.items("needle", 1024, "heldout", n=50, seed=0)   # list[TextItem]
@@ -46,7 +46,7 @@ PASSING_TASKS = ("needle", "niah_single_1", "niah_single_2", "niah_single_3", "n
 ``lab/vlkv_lab/zoo/README.md``): the text tasks the tuning protocol scores. The others are dropped and named there;
 they still run with ``--text-tasks``."""
 DEFAULT_TASKS = ("needle", "niah_single_1", "niah_single_3")
-"""``vlkv eval --zoo``'s default run: three of ``PASSING_TASKS`` (both haystacks, a number and a code), to
+"""``vlkv eval zoo``'s default run: three of ``PASSING_TASKS`` (both haystacks, a number and a code), to
 keep its text part modest (one task's rows at 1K and n = 50 take 6-15 minutes here)."""
 LENGTHS = (1024, 2048, 4096)
 SPLITS = ("train", "heldout")

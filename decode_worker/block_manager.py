@@ -146,9 +146,10 @@ class BlockManager:
         return self.idle.held if self.idle is not None else 0
 
     def _make_room(self, need: int) -> bool:
-        """At least ``need`` free blocks, idle ones given back if needed; whether there are."""
+        """At least ``need`` free blocks, idle ones given back if needed (none when even all of them would
+        not do); whether there are."""
         short = need - len(self._free)
-        if short > 0 and self.idle is not None:
+        if short > 0 and self.idle is not None and short <= self.idle.held:  # never in vain
             self.idle.release(short)
         return need <= len(self._free)
 

@@ -141,21 +141,26 @@ class DecodeCore:
             self.scheduler.add(seq)
         return delta
 
-    def feed(self, seq: Sequence) -> bool:
-        """Run a continued turn's ``forced`` prompt tokens (``retention.py``) through the model in one forward
-        over its kept cache, their K/V written into its blocks, and sample its first token: ``seq`` is then
-        an ordinary sequence, as if a prefill had handed it off (its prompt the whole turn's). In the engine's
-        model thread, before the sequence is added. False (nothing changed: its steps feed the tokens one
-        at a time) where that is not possible: a quantized pool, no room for the tokens now, no model."""
-        f = len(seq.forced)
+    def can_feed(self, seq: Sequence) -> bool:
+        """Whether a continued turn's ``forced`` prompt tokens (``retention.py``) can run in one forward
+        (``feed``), and room for their K/V taken in its blocks (idle ones given back if needed). On the
+        event loop, where every block is accounted: ``feed`` itself, in the model thread, touches none of
+        it. False (nothing taken: its steps feed the tokens one at a time) for a quantized pool, no room for
+        the tokens now, or no model."""
         model = getattr(self.runner, "model", None)
-        if model is None or self.cache.quantized or f == 0 or self.decode_budget > 0:
+        if model is None or self.cache.quantized or not seq.forced or self.decode_budget > 0:
             return False
-        if not self.blocks.grow(seq.blocks, seq.lengths, f):
-            return False
+        return self.blocks.grow(seq.blocks, seq.lengths, len(seq.forced))
+
+    def feed(self, seq: Sequence) -> None:
+        """Run ``seq``'s ``forced`` prompt tokens over its kept cache in one forward, write their K/V into
+        the blocks ``can_feed`` took, and sample its first token: ``seq`` is then an ordinary sequence, as if
+        a prefill had handed it off (its prompt the whole turn's). In the engine's model thread, before the
+        sequence is added."""
+        f = len(seq.forced)
         layers = [self.cache.read(t, n) for t, n in zip(seq.blocks.tables, seq.lengths, strict=True)]
         kept = CompactKV([k for k, _ in layers], [v for _, v in layers], prompt_length=seq.prompt_length)
-        extended, logits = append_tokens(model, kept, seq.forced)
+        extended, logits = append_tokens(self.runner.model, kept, seq.forced)
         for table, k, v in zip(seq.blocks.tables, extended.keys, extended.values, strict=True):
             self.cache.write(table, k, v)
         seq.lengths = [k.shape[1] for k in extended.keys]
@@ -164,7 +169,6 @@ class DecodeCore:
         seq.first_token = sample_token(logits, seq.sampling, generator)
         seq.generated = [seq.first_token]
         seq.forced = []
-        return True
 
     def end(self, seq: Sequence, reason: FinishReason, error: VlkvError | None = None) -> None:
         """End a sequence from outside (``CANCELLED``: its caller went away; ``ERROR``: it cannot be

@@ -37,6 +37,7 @@ from vlkv.common.load_stream import LoadStream
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.admission import Admission
+from vlkv.decode_worker.block_manager import RefusalKind
 from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.engine import DecodeEngine
 from vlkv.decode_worker.grpc_receiver import GrpcKVReceiver
@@ -161,17 +162,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.engine.cancel(seq)
 
     async def _feed(self, seq: Sequence) -> None:
-        """A continued turn's prompt tokens in one forward (``DecodeCore.feed``), in the model's thread; on
-        any failure its blocks go back to the pool, once the forward no longer writes them."""
-        done = asyncio.ensure_future(self.engine.run_model(self.engine.core.feed, seq))
+        """A continued turn's prompt tokens in one forward (``DecodeCore.feed``), in the model's thread, when
+        it can; else, or if the forward fails, its first steps feed them. Cancelled: its blocks go back to
+        the pool once the forward no longer writes them."""
+        core = self.engine.core
+        if not core.can_feed(seq):
+            return
+        done = asyncio.ensure_future(self.engine.run_model(core.feed, seq))
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:  # the gateway gave up: free the blocks when the forward is over
             done.add_done_callback(lambda _: self.pool.free(seq.blocks))
             raise
-        except Exception:
-            self.pool.free(seq.blocks)
-            raise
+        except Exception:  # e.g. out of memory: ``feed`` changed nothing of ``seq``; its steps feed them
+            log.warning(
+                "request %s: one-forward feed failed; feeding step by step", seq.request_id, exc_info=True
+            )
 
     async def _claim(self, request: worker_pb2.DecodeRequest) -> Sequence:
         """The sequence whose cache a prefill worker hands off (or has) under the request's id."""
@@ -189,7 +195,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _continued(self, request: worker_pb2.DecodeRequest) -> Sequence:
         """A follow-up turn on a cache this worker kept (``retention.py``); FAILED_PRECONDITION when it
-        holds the key no longer, INVALID_ARGUMENT for a turn that does not fit the kept cache."""
+        holds the key no longer or the turn could never finish in its pool (the gateway then serves it the
+        usual way), INVALID_ARGUMENT for a turn that does not fit the kept cache."""
         c = request.continue_from
         if self.draining:
             raise VlkvError("this decode worker is draining", grpc.StatusCode.UNAVAILABLE)
@@ -199,12 +206,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise VlkvError(
                 f"an input id is outside the vocabulary of {vocab}", grpc.StatusCode.INVALID_ARGUMENT
             )
+        detok = self.receiver.detokenizer(sampling)
+        _, kv_heads, head_dim, _ = self.layout
+        full_token_bytes = 2 * kv_heads * head_dim * self.kv_cache.dtype.itemsize
         entry = self.engine.core.retained.take(c.key)
         if entry is None:
             raise VlkvError(
                 "the kept cache is gone (its blocks were needed)", grpc.StatusCode.FAILED_PRECONDITION
             )
-        _, kv_heads, head_dim, dtype = self.layout
         seq = continued_sequence(
             entry,
             self.pool,
@@ -214,10 +223,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             sampling=sampling,
             prompt_tokens=c.prompt_tokens,
             continued_tokens=c.continued_tokens,
-            detok=self.receiver.detokenizer(sampling),
+            detok=detok,
             token_bytes=self.kv_cache.token_bytes,
-            full_token_bytes=2 * kv_heads * head_dim * self.kv_cache.dtype.itemsize,
+            full_token_bytes=full_token_bytes,
         )
+        grown = [n + len(seq.forced) for n in seq.lengths]
+        refused = self.pool.refusal(grown, max(1, sampling.max_new_tokens))
+        if refused is not None and refused.kind is RefusalKind.NEVER_FITS:  # it could never finish here
+            self.pool.free(seq.blocks)
+            raise VlkvError(
+                f"the continued turn outgrows this worker's pool: {refused.message}",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
         self.engine.core.retained.continued += 1
         return seq
 

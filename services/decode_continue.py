@@ -146,10 +146,7 @@ async def run_on_kept(
                     gateway.metrics.kept_turns.labels("kept").inc()
             yield resp
     except grpc.aio.AioRpcError as exc:
-        if relay.last is None and exc.code() in (
-            grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.UNAVAILABLE,
-        ):
+        if relay.last is None:  # nothing streamed: the usual way serves the turn (the entry is dropped)
             raise KeptGone from None
         raise VlkvError(f"the decode worker failed: {exc.details()}", exc.code()) from None
     finally:

@@ -11,17 +11,20 @@ cached whole, so the cache is cut back to where the prompt stops agreeing with t
 
 Keys are drawn here (random, 32 hex digits), so a tenant can name no other tenant's cache, and entries are
 per tenant. A hint only: the worker may have given the blocks back (FAILED_PRECONDITION), and the turn is then
-served the usual way. Bounded: the least recently noted entries are forgotten first.
+served the usual way. Bounded in entries and in the token ids they hold (``MAX_KEPT_IDS``, stored as uint32):
+the least recently noted entries are forgotten first.
 """
 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_KEPT_TURNS = 1 << 14  # entries a gateway remembers
+MAX_KEPT_IDS = 1 << 25  # token ids they hold together (4 bytes each: 128 MiB)
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class KeptTurn:
     key: str  # the retain_key the worker kept it under
     address: str  # the decode worker
     tenant: str
-    ids: tuple[int, ...]  # the token ids at positions 0 .. len(ids)-1 of the kept cache
+    ids: Sequence[int]  # the token ids at positions 0 .. len(ids)-1 of the kept cache (stored as uint32)
     full_from: int  # positions from here on may be dropped (the first turn's prompt length)
     prompt_tokens: int  # the kept turn's own prompt
     images: tuple[str, ...] = ()  # the digests of its images (the gateway's, of their pixel values)
@@ -42,7 +45,7 @@ def _hasher(images: Sequence[str] = ()):
 
 
 def _pack(ids: Sequence[int]) -> bytes:
-    return b"".join(int(i).to_bytes(4, "little") for i in ids)
+    return array("I", ids).tobytes()
 
 
 def _digest(ids: Sequence[int], images: Sequence[str]) -> bytes:
@@ -61,8 +64,10 @@ def _shared(a: Sequence[int], b: Sequence[int], start: int) -> int:
 
 
 class KeptTurns:
-    def __init__(self, capacity: int = MAX_KEPT_TURNS) -> None:
+    def __init__(self, capacity: int = MAX_KEPT_TURNS, max_ids: int = MAX_KEPT_IDS) -> None:
         self.capacity = capacity
+        self.max_ids = max_ids
+        self._ids = 0  # token ids held, all entries
         self._turns: OrderedDict[str, KeptTurn] = OrderedDict()  # key -> turn, least recently noted first
         self._by_root: dict[tuple[str, int, bytes], set[str]] = {}  # (tenant, full_from, digest) -> keys
         self._lengths: dict[str, dict[int, int]] = {}  # tenant -> full_from -> entries
@@ -71,14 +76,16 @@ class KeptTurns:
         return len(self._turns)
 
     def note(self, turn: KeptTurn) -> None:
-        if not 0 < turn.full_from <= len(turn.ids):
+        if not 0 < turn.full_from <= len(turn.ids) <= self.max_ids:
             return
+        turn = replace(turn, ids=array("I", turn.ids))  # 4 bytes an id, not a Python int's 28 + 8
         self.drop(turn.key)
         self._turns[turn.key] = turn
+        self._ids += len(turn.ids)
         self._by_root.setdefault(self._root(turn), set()).add(turn.key)
         lengths = self._lengths.setdefault(turn.tenant, {})
         lengths[turn.full_from] = lengths.get(turn.full_from, 0) + 1
-        while len(self._turns) > self.capacity:
+        while len(self._turns) > self.capacity or self._ids > self.max_ids:
             self.drop(next(iter(self._turns)))
 
     def find(
@@ -107,6 +114,7 @@ class KeptTurns:
         turn = self._turns.pop(key, None)
         if turn is None:
             return None
+        self._ids -= len(turn.ids)
         root = self._root(turn)
         keys = self._by_root.get(root)
         if keys is not None:

@@ -109,6 +109,13 @@ def test_kept_blocks_are_room_that_admission_and_growth_take_back():
     assert core.blocks.num_free == 10
 
 
+def test_a_room_check_that_cannot_succeed_gives_back_nothing():
+    core = _core(num_blocks=10)
+    _first_turn(core, 6)
+    assert core.blocks.allocate([40, 40], 0) is None  # 20 blocks: more than free and idle together
+    assert len(core.retained) == 1 and core.retained.given_back == 0
+
+
 def test_the_least_recently_kept_go_back_first_and_the_count_is_bounded():
     core = _core()
     core.retained.max_entries = 2

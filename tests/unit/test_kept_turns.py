@@ -56,3 +56,12 @@ def test_entries_are_bounded_least_recently_noted_first():
         kept.note(_turn(f"k{i}", tenant=f"t{i}"))
     assert len(kept) == 2 and kept.find("t0", [*PROMPT, *ANSWER, 1], ("img",)) is None
     assert kept.find("t2", [*PROMPT, *ANSWER, 1], ("img",))[0].key == "k2"
+
+
+def test_entries_are_bounded_by_the_ids_they_hold():
+    kept = KeptTurns(max_ids=2 * len(PROMPT + ANSWER) + 1)
+    for i in range(3):
+        kept.note(_turn(f"k{i}"))
+    assert len(kept) == 2 and kept.find("t", [*PROMPT, *ANSWER, 1], ("img",))[0].key in ("k1", "k2")
+    kept.note(_turn("huge", ids=PROMPT * 10))  # more than the bound alone: not kept, nothing dropped
+    assert len(kept) == 2

@@ -30,7 +30,7 @@ import grpc
 from vlkv.common.errors import VlkvError
 from vlkv.common.reuse import RETAINED_KEY
 from vlkv.common.sampling import SamplingConfig
-from vlkv.decode_worker.block_manager import BlockManager, SequenceBlocks
+from vlkv.decode_worker.block_manager import BlockManager, RefusalKind, SequenceBlocks
 from vlkv.decode_worker.detokenizer import IncrementalText
 from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus
 from vlkv.v1 import generate_pb2
@@ -155,8 +155,9 @@ def continued_sequence(
 ) -> Sequence:
     """A follow-up turn's sequence on ``entry`` (taken: its blocks are the sequence's now, or back in the
     pool if this raises): positions from ``keep_positions`` on dropped, ``input_ids`` to feed before the
-    first sampled token. VlkvError (INVALID_ARGUMENT) for positions the cache cannot drop or a prompt that
-    does not add up. ``token_bytes``: one cached token of one layer in the pool; ``full_token_bytes``: the
+    first sampled token. VlkvError: INVALID_ARGUMENT for positions the cache cannot drop or a prompt that
+    does not add up; FAILED_PRECONDITION for a turn that could never finish in this pool (its new tokens and
+    ``max_new_tokens`` outgrow the whole of it: the caller serves it the usual way). ``token_bytes``: one cached token of one layer in the pool; ``full_token_bytes``: the
     same in the model's dtype (the usage's full-cache bytes)."""
     drop = entry.positions - keep_positions
     problem = ""
@@ -206,4 +207,11 @@ def continued_sequence(
     )
     seq.forced = list(input_ids)
     seq.full_from = entry.full_from
+    refused = blocks.refusal([n + f for n in lengths], max(1, sampling.max_new_tokens))
+    if refused is not None and refused.kind is RefusalKind.NEVER_FITS:  # it could never finish here
+        blocks.free(seq_blocks)
+        raise VlkvError(
+            f"the continued turn outgrows this worker's pool: {refused.message}",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
     return seq

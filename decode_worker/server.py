@@ -37,7 +37,6 @@ from vlkv.common.load_stream import LoadStream
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.admission import Admission
-from vlkv.decode_worker.block_manager import RefusalKind
 from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.engine import DecodeEngine
 from vlkv.decode_worker.grpc_receiver import GrpcKVReceiver
@@ -227,14 +226,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             token_bytes=self.kv_cache.token_bytes,
             full_token_bytes=full_token_bytes,
         )
-        grown = [n + len(seq.forced) for n in seq.lengths]
-        refused = self.pool.refusal(grown, max(1, sampling.max_new_tokens))
-        if refused is not None and refused.kind is RefusalKind.NEVER_FITS:  # it could never finish here
-            self.pool.free(seq.blocks)
-            raise VlkvError(
-                f"the continued turn outgrows this worker's pool: {refused.message}",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
         self.engine.core.retained.continued += 1
         return seq
 

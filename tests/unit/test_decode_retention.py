@@ -175,3 +175,25 @@ def test_a_turn_that_does_not_fit_the_kept_cache_is_refused_and_its_blocks_freed
             )
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert core.blocks.num_free == core.blocks.num_blocks
+
+
+def test_a_turn_that_could_never_finish_in_the_pool_is_refused_and_its_blocks_freed():
+    core = _core(num_blocks=16)
+    first = _first_turn(core, 6)
+    entry = core.retained.take("k")
+    with pytest.raises(VlkvError) as err:  # 60 new tokens a layer: 4 x 16 blocks, the pool has 16
+        continued_sequence(
+            entry,
+            core.blocks,
+            request_id="x",
+            keep_positions=first.retained_positions,
+            input_ids=[1],
+            sampling=SamplingConfig(max_new_tokens=60),
+            prompt_tokens=first.retained_positions + 1,
+            continued_tokens=1,
+            detok=None,
+            token_bytes=1,
+            full_token_bytes=1,
+        )
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "outgrows" in err.value.message
+    assert core.blocks.num_free == core.blocks.num_blocks

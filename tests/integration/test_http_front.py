@@ -289,3 +289,28 @@ def test_grpc_and_http_share_the_metrics_labelled_by_front(front):
     assert _metric(front, "vlkv_ttft_seconds_count", front="http") >= 1
     # both requests named no policy: verified at the default 10% and counted there
     assert _metric(front, "vlkv_verified_agreement_count", budget="10") == verified + 2
+
+
+def test_a_continue_follow_up_through_the_openai_client_runs_on_the_decode_worker(front):
+    first = chat(data_url(random_png(9)))
+
+    def ask(messages, **vlkv):
+        return front.client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=6,
+            temperature=0,
+            extra_body={"vlkv": {"policy": "full", **vlkv}},
+        )
+
+    a = ask(first, conversation="continue")
+    follow = [
+        *first,
+        {"role": "assistant", "content": a.choices[0].message.content},
+        {"role": "user", "content": [{"type": "text", "text": "and the circle ?"}]},
+    ]
+    b = ask(follow, conversation="continue")
+    assert a.usage.vlkv["continued_on"] == "" and b.usage.vlkv["continued_on"] == "decode"
+    assert b.usage.vlkv["continued_tokens"] > 0 and b.usage.prompt_tokens_details.cached_tokens > 0
+    # with nothing dropped, the follow-up answers as the same prompt prefilled afresh
+    assert b.choices[0].message.content == ask(follow, reuse="off").choices[0].message.content

@@ -119,3 +119,16 @@ def test_status_and_metrics_report_the_kept_turns(cluster):
     (decode,) = [w for w in status.workers if w.kind == "decode"]
     assert decode.retained == len(kept(cluster)) >= 1
     assert decode.retained_blocks == kept(cluster).held > 0
+
+
+def test_vlkv_status_prints_each_decode_workers_kept_turns(cluster, capsys):
+    from types import SimpleNamespace
+
+    from vlkv.deploy.cli.status import cmd_status
+
+    ask(cluster, conversation(1), png(57))
+    args = SimpleNamespace(address=cluster.gateway.address, token="", tls_ca="", events=5)
+    assert cmd_status(args) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("kept turns ")]
+    caches, blocks = (int(w) for w in line.split(": ")[1].split()[0:4:3])  # "N caches in B idle blocks"
+    assert caches >= 1 and blocks >= caches and "given back whenever a request needs them" in line

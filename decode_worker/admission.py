@@ -37,7 +37,7 @@ from vlkv.common.request import sampling_from_proto
 from vlkv.decode_worker.block_manager import AdmissionRefusal, RefusalKind
 from vlkv.decode_worker.core import DecodeCore
 from vlkv.decode_worker.detokenizer import IncrementalText, text_decoder
-from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus
+from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus, kv_usage
 from vlkv.v1 import generate_pb2, kv_pb2
 
 MAX_DRAINING = 4
@@ -180,16 +180,20 @@ class Admission:
             )
         return sampling
 
-    def _usage(self, header: kv_pb2.KVHeader) -> generate_pb2.Usage:
-        lengths, m = list(header.layer_lengths), header.prompt_length
+    @property
+    def full_token_bytes(self) -> int:
+        """Bytes of one token of one layer of the full cache, in the model's dtype (K and V)."""
         _, kv_heads, head_dim, _ = self.spec.kv_layout
-        return generate_pb2.Usage(
+        return 2 * kv_heads * head_dim * self.cache.dtype.itemsize
+
+    def _usage(self, header: kv_pb2.KVHeader) -> generate_pb2.Usage:
+        return kv_usage(
+            list(header.layer_lengths),
+            header.prompt_length,
+            self.cache.token_bytes,
+            self.full_token_bytes,
             prompt_tokens=header.prompt_tokens,
             vision_tokens=header.vision_tokens,
-            kv_bytes_kept=sum(lengths) * self.cache.token_bytes,  # in the pool's kv dtype, scales included
-            kv_bytes_full=len(lengths) * m * 2 * kv_heads * head_dim * self.cache.dtype.itemsize,
-            compression_ratio=sum(lengths) / (len(lengths) * m),
-            layer_budgets=lengths,
             policy=header.policy,
         )
 

@@ -171,12 +171,19 @@ class BlockManager:
         """Room for ``layer_lengths[l] + extra_tokens`` tokens in every layer, or None (nothing taken)."""
         if not self._make_room(self.blocks_needed(layer_lengths, extra_tokens)):
             return None
-        tables = []
-        for n, w in zip(layer_lengths, self._windows_for(layer_lengths), strict=True):
-            ids = [self._free.pop() for _ in range(layer_blocks(n, extra_tokens, self.block_size, w))]
-            self._used.update(ids)
-            tables.append(ids)
-        return SequenceBlocks(tables)
+        windows = self._windows_for(layer_lengths)
+        return SequenceBlocks(
+            [
+                self._take(layer_blocks(n, extra_tokens, self.block_size, w))
+                for n, w in zip(layer_lengths, windows, strict=True)
+            ]
+        )
+
+    def _take(self, count: int) -> list[int]:
+        """``count`` free blocks, now in use (the caller checked there are)."""
+        ids = [self._free.pop() for _ in range(count)]
+        self._used.update(ids)
+        return ids
 
     def _full_tables(self, blocks: SequenceBlocks, lengths: list[int]) -> list[list[int]]:
         """The layer tables with no free slot for token ``lengths[l]``."""
@@ -195,9 +202,7 @@ class BlockManager:
         if not self._make_room(len(grow)):
             return False
         for table in grow:
-            block = self._free.pop()
-            self._used.add(block)
-            table.append(block)
+            table.extend(self._take(1))
         return True
 
     def grow(self, blocks: SequenceBlocks, lengths: list[int], extra: int) -> bool:
@@ -210,9 +215,7 @@ class BlockManager:
         if not self._make_room(sum(need)):
             return False
         for table, k in zip(blocks.tables, need, strict=True):
-            ids = [self._free.pop() for _ in range(k)]
-            self._used.update(ids)
-            table.extend(ids)
+            table.extend(self._take(k))
         return True
 
     def slide(self, blocks: SequenceBlocks, lengths: list[int]) -> int:

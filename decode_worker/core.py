@@ -255,12 +255,14 @@ class DecodeCore:
                 if mass is not None:
                     self._recompress(s, mass[i])
                 live.append(i)
-        feeding = [i for i in live if batch[i].feeding]  # a prompt token goes in next; nothing sampled
-        for i in feeding:
+        sampled = []
+        for i in live:
             s = batch[i]
-            s.generated.append(s.forced[len(s.generated)])
-        if feeding:
-            live = [i for i in live if i not in set(feeding)]
+            if s.feeding:  # a prompt token goes in next: nothing sampled
+                s.generated.append(s.forced[len(s.generated)])
+            else:
+                sampled.append(i)
+        live = sampled
         if not live:
             return out
         seqs = [batch[i] for i in live]

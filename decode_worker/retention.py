@@ -32,8 +32,7 @@ from vlkv.common.reuse import RETAINED_KEY
 from vlkv.common.sampling import SamplingConfig
 from vlkv.decode_worker.block_manager import BlockManager, RefusalKind, SequenceBlocks
 from vlkv.decode_worker.detokenizer import IncrementalText
-from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus
-from vlkv.v1 import generate_pb2
+from vlkv.decode_worker.sequence import FinishReason, Sequence, SequenceStatus, kv_usage
 
 __all__ = ["RETAINED_KEY", "Retained", "RetainedCaches", "continued_sequence"]
 MAX_RETAINED = 1024  # kept caches a worker holds at most (their blocks are bounded by the pool)
@@ -94,7 +93,7 @@ class RetainedCaches:
         positions = seq.prompt_length + len(seq.generated) - 1
         entry = Retained(
             seq.retain_key,
-            SequenceBlocks([list(t) for t in seq.blocks.tables]),
+            seq.blocks,  # the blocks are the entry's now
             list(seq.lengths),
             positions,
             min(seq.full_from, seq.prompt_length),
@@ -103,7 +102,7 @@ class RetainedCaches:
             seq.usage.policy,
             seq.usage.vision_tokens,
         )
-        seq.blocks.tables = [[] for _ in seq.blocks.tables]  # the blocks are the entry's now
+        seq.blocks = SequenceBlocks([[] for _ in entry.blocks.tables])
         old = self._entries.pop(entry.key, None)
         if old is not None:
             self._give_back(old)
@@ -179,15 +178,14 @@ def continued_sequence(
     seq_blocks = entry.blocks
     for layer, n in enumerate(lengths):
         blocks.shrink(seq_blocks, layer, n)
-    layers, f = len(lengths), len(input_ids)
-    kept = [n + f for n in lengths]  # the new tokens are kept whole, as the prefill worker's continuation
-    usage = generate_pb2.Usage(
+    f = len(input_ids)
+    usage = kv_usage(
+        [n + f for n in lengths],  # the new tokens are kept whole, as the prefill worker's continuation
+        prompt_tokens,
+        token_bytes,
+        full_token_bytes,
         prompt_tokens=prompt_tokens,
         vision_tokens=entry.vision_tokens,
-        kv_bytes_kept=sum(kept) * token_bytes,
-        kv_bytes_full=layers * prompt_tokens * full_token_bytes,
-        compression_ratio=sum(kept) / (layers * prompt_tokens),
-        layer_budgets=kept,
         policy=entry.policy,
         continued_tokens=continued_tokens,
         cached_prompt_tokens=keep_positions,

@@ -72,6 +72,22 @@ FINISH_REASON_PROTO = {
 }
 
 
+def kv_usage(
+    lengths: list[int], prompt_length: int, token_bytes: int, full_token_bytes: int, **fields
+) -> generate_pb2.Usage:
+    """A sequence's usage on arrival: its kept tokens per layer (``lengths``) in bytes of the pool's kv dtype
+    (``token_bytes``, scales included), the full cache of ``prompt_length`` tokens in the model's dtype
+    (``full_token_bytes`` a token and layer), the realized ratio and per-layer budgets, plus ``fields``."""
+    kept, layers = sum(lengths), len(lengths)
+    return generate_pb2.Usage(
+        kv_bytes_kept=kept * token_bytes,
+        kv_bytes_full=layers * prompt_length * full_token_bytes,
+        compression_ratio=kept / (layers * prompt_length),
+        layer_budgets=lengths,
+        **fields,
+    )
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence: its blocks, per layer cached lengths, the tokens so far, its status and usage."""

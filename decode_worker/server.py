@@ -206,8 +206,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 f"an input id is outside the vocabulary of {vocab}", grpc.StatusCode.INVALID_ARGUMENT
             )
         detok = self.receiver.detokenizer(sampling)
-        _, kv_heads, head_dim, _ = self.layout
-        full_token_bytes = 2 * kv_heads * head_dim * self.kv_cache.dtype.itemsize
         entry = self.engine.core.retained.take(c.key)
         if entry is None:
             raise VlkvError(
@@ -224,7 +222,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             continued_tokens=c.continued_tokens,
             detok=detok,
             token_bytes=self.kv_cache.token_bytes,
-            full_token_bytes=full_token_bytes,
+            full_token_bytes=self.receiver.full_token_bytes,
         )
         self.engine.core.retained.continued += 1
         return seq

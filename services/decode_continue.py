@@ -2,9 +2,9 @@
 
 An unverified ``continue`` turn (``keep_plan``: reuse on, ``conversation: continue``, and no verification for
 its compression settings) is decoded with a ``retain_key``; when the worker says it kept the cache (the
-``vlkv-retained`` trailer), ``note_kept`` records the turn (``kept_turns.KeptTurns``). The next such turn whose
-prompt starts with a kept one runs there (``run_on_kept``): no prefill, no hand-off, the kept positions it
-shares and the rest of its prompt fed by the decode worker. A verified turn goes to the prefill worker, whose
+``vlkv-retained`` trailer), ``Relay.note_kept`` records the turn (``kept_turns.KeptTurns``). The next such
+turn whose prompt starts with a kept one runs there (``run_on_kept``): no prefill, no hand-off, the kept
+positions it shares and the rest of its prompt fed by the decode worker. A verified turn goes to the prefill worker, whose
 verifier decides whether its continued cache holds (``docs/conversations.md``).
 
 The worker may have given the blocks back: ``KeptGone`` before the first token, and the gateway serves the
@@ -83,6 +83,22 @@ class Relay:
             self.metrics.tokens.labels(self.front).inc(len(resp.token.token_ids))
             self.emitted.extend(resp.token.token_ids)
 
+    async def note_kept(self, kept: KeptTurns, call, plan: KeepPlan, address: str) -> bool:
+        """Record the turn if the worker kept its cache (its trailer names the positions it holds): the ids at
+        those positions are the prompt's and the streamed tokens' (the last one never went in)."""
+        trailer = dict(await call.trailing_metadata() or ())
+        try:
+            positions = int(trailer.get(RETAINED_KEY, 0))
+        except ValueError:
+            return False
+        ids = (plan.ids + tuple(self.emitted))[:positions]
+        if positions < plan.full_from or len(ids) != positions:
+            return False
+        turn = KeptTurn(plan.key, address, plan.tenant, ids, plan.full_from, plan.prompt_tokens, plan.images)
+        kept.note(turn)
+        self.metrics.kept_turns.labels("kept").inc()
+        return True
+
     def finish(self, usage: generate_pb2.Usage, budget: float) -> None:
         m = self.metrics
         usage.ttft_ms = self.ttft_ms
@@ -91,21 +107,6 @@ class Relay:
         m.kv_bytes.inc(usage.kv_bytes_kept)
         m.window_saved.inc(usage.kv_bytes_window_saved)
         m.record_prompt(usage)
-
-
-async def note_kept(kept: KeptTurns, call, plan: KeepPlan, address: str, emitted: list[int]) -> bool:
-    """Record the turn if the worker kept its cache (its trailer names the positions it holds): the ids at
-    those positions are the prompt's and the streamed tokens' (the last one never went in)."""
-    trailer = dict(await call.trailing_metadata() or ())
-    try:
-        positions = int(trailer.get(RETAINED_KEY, 0))
-    except ValueError:
-        return False
-    ids = (plan.ids + tuple(emitted))[:positions]
-    if positions < plan.full_from or len(ids) != positions:
-        return False
-    kept.note(KeptTurn(plan.key, address, plan.tenant, ids, plan.full_from, plan.prompt_tokens, plan.images))
-    return True
 
 
 async def run_on_kept(
@@ -142,8 +143,7 @@ async def run_on_kept(
             if resp.HasField("finished"):
                 gateway.metrics.kept_turns.labels("continued").inc()
                 relay.finish(resp.finished.usage, prefill_req.compression.budget or DEFAULT_BUDGET)
-                if await note_kept(kept, call, plan, worker.address, relay.emitted):
-                    gateway.metrics.kept_turns.labels("kept").inc()
+                await relay.note_kept(kept, call, plan, worker.address)
             yield resp
     except grpc.aio.AioRpcError as exc:
         if relay.last is None:  # nothing streamed: the usual way serves the turn (the entry is dropped)

@@ -37,7 +37,7 @@ from vlkv.common.grpc_server import abort_stream_on_error
 from vlkv.common.model.spec import ModelSpec
 from vlkv.common.request import MAX_REQUEST_ID, PreparedRequest, prepare_request, to_prefill_proto
 from vlkv.common.reuse import ANONYMOUS, TENANT_KEY, tenant_of
-from vlkv.services.decode_continue import KeepPlan, KeptGone, Relay, keep_plan, note_kept, run_on_kept
+from vlkv.services.decode_continue import KeepPlan, KeptGone, Relay, keep_plan, run_on_kept
 from vlkv.services.metrics import GatewayMetrics
 from vlkv.services.prefix_index import route_keys
 from vlkv.services.router import Reservation, Router
@@ -319,10 +319,8 @@ class GatewayServicer(generate_pb2_grpc.GenerationServicer):
                     usage = resp.finished.usage
                     await _add_reuse_usage(usage, prefill_task)
                     relay.finish(usage, prefill_req.compression.budget or DEFAULT_BUDGET)
-                    if keep is not None and await note_kept(
-                        self.router.kept, decode_call, keep, decode.address, relay.emitted
-                    ):
-                        self.metrics.kept_turns.labels("kept").inc()
+                    if keep is not None:
+                        await relay.note_kept(self.router.kept, decode_call, keep, decode.address)
                 yield resp
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             last = relay.last

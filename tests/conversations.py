@@ -8,8 +8,10 @@ import io
 
 import numpy as np
 import torch
+from inproc_cluster import InProcCluster
 from PIL import Image
 from vlkv.common.compression.registry import CompressionSettings
+from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
 from vlkv.deploy.inprocess import InProcessEngine
 from vlkv.prefill_worker.engine import PrefillEngine
 from vlkv.prefill_worker.prefix_cache import PrefixCache
@@ -89,3 +91,8 @@ def prompts(turns: int) -> str:
     for t in range(1, turns):
         text += f" answer {t} . </s> USER : and the colour of shape {t} ? ASSISTANT :"
     return text
+
+
+def conversation_cluster(model_dir: str) -> InProcCluster:
+    """The in-process cluster (real gRPC) the conversation tests talk to: an 8 MiB decode pool."""
+    return InProcCluster(ServerConfig(model=ModelConfig(path=model_dir), pool=PoolConfig(pool_bytes=8 << 20)))

@@ -7,17 +7,12 @@ the prefill worker; a kept cache that is gone is served the usual way, with the 
 from __future__ import annotations
 
 import pytest
-from conversations import MAX_NEW, chat_request, conversation, png, reference, run
-from inproc_cluster import InProcCluster
-from vlkv.common.config import ModelConfig, PoolConfig, ServerConfig
+from conversations import MAX_NEW, chat_request, conversation, conversation_cluster, png, reference, run
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dirs):
-    cfg = ServerConfig(
-        model=ModelConfig(path=tiny_model_dirs("llava-gqa")), pool=PoolConfig(pool_bytes=8 << 20)
-    )
-    c = InProcCluster(cfg)
+    c = conversation_cluster(tiny_model_dirs("llava-gqa"))
     yield c
     c.close()
 
